@@ -1,0 +1,21 @@
+"""The tiered embedding store: host tier + device cache per table. Pure PyTorch."""
+
+from .errors import (
+    CacheCapacityError,
+    IdOutOfRangeError,
+    InvalidInputError,
+    NotPrefetchedError,
+    ProactiveError,
+    StoreStateError,
+)
+from .eviction import EvictionPolicy
+from .lookup import TableBatch, plan_table_batch, pooled_lookup
+from .optimizers import OptimizerConfig, OptimType, apply_row_update
+from .tiered_table import FetchPlan, TableStats, TieredTable, unique_rows
+
+__all__ = [
+    "CacheCapacityError", "EvictionPolicy", "FetchPlan", "IdOutOfRangeError", "InvalidInputError",
+    "NotPrefetchedError", "OptimType", "OptimizerConfig", "ProactiveError", "StoreStateError",
+    "TableBatch", "TableStats", "TieredTable", "apply_row_update", "plan_table_batch",
+    "pooled_lookup", "unique_rows",
+]

@@ -1,0 +1,398 @@
+"""One embedding table (or one local shard of it) split across a host tier and a device cache.
+
+Data path, top to bottom:
+
+1. ``plan(rows)``      - which of the batch's unique rows hit, which miss, which slots the
+                         misses evict (and which of those are dirty and must be written back).
+                         Pins every slot the batch will read. Pure bookkeeping on the host.
+2. ``transfer(plan)``  - moves the data the plan asks for: write back dirty victims to the host
+                         tier, then copy the missing rows (and their optimizer state) into their
+                         slots. The fetch engine runs this asynchronously, in ticket order.
+3. ``lookup(...)``     - pooled bags read through ``row -> slot`` (``pooled_lookup`` in lookup.py).
+4. ``apply_gradients`` - the fused optimizer updates the slots in backward, marks them dirty,
+                         and releases the batch's pins.
+5. ``flush()``         - writes every dirty slot back, so the host tier equals a resident table.
+
+Invariants (checked by ``check_invariants``):
+
+* ``row_to_slot`` and ``slot_to_row`` are inverse on occupied slots.
+* A pinned slot (referenced by an issued batch that has not applied its update) is never
+  chosen as a victim; pins return to 0 when every batch has been released.
+* A dirty row evicted to the host is written back before any later fetch reads it: both are
+  data moves of tickets, and tickets execute in issue order.
+* Rows of a planned batch are resident from the end of its transfer until its release.
+
+Nothing here imports TorchRec; the host tier may be a view of someone else's storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from .errors import CacheCapacityError, IdOutOfRangeError, InvalidInputError, StoreStateError
+from .eviction import EvictionPolicy, SlotRanking
+from .optimizers import OptimizerConfig, apply_row_update
+
+
+@dataclass
+class FetchPlan:
+    """What one batch needs from one table. Produced by ``TieredTable.plan``.
+
+    ``rows`` are the batch's unique rows (sorted) and ``slots[i]`` holds ``rows[i]`` once the
+    transfer is done. ``fill_*`` are the misses, ``writeback_*`` the dirty victims.
+    """
+
+    table: "TieredTable"
+    rows: torch.Tensor
+    slots: torch.Tensor
+    fill_rows: torch.Tensor
+    fill_slots: torch.Tensor
+    writeback_rows: torch.Tensor
+    writeback_slots: torch.Tensor
+    released: bool = False
+
+    @property
+    def num_hits(self) -> int:
+        return int(self.rows.numel() - self.fill_rows.numel())
+
+    @property
+    def bytes_to_move(self) -> int:
+        per_row = self.table.row_bytes
+        return per_row * int(self.fill_rows.numel() + self.writeback_rows.numel())
+
+
+@dataclass
+class TableStats:
+    """Running counters of one table; plain ints so reading them costs nothing."""
+
+    lookups_rows: int = 0  # unique rows asked for, summed over batches
+    hits: int = 0
+    rows_fetched: int = 0
+    rows_written_back: int = 0
+    bytes_moved: int = 0
+    updates: int = 0
+
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups_rows if self.lookups_rows else 1.0
+
+    def as_dict(self) -> Dict[str, float]:
+        d = dict(self.__dict__)
+        d["hit_rate"] = self.hit_rate()
+        return d
+
+
+@dataclass
+class _ShardInfo:
+    """How this table maps to the user's global table (for error messages only)."""
+
+    global_name: str
+    row_offset: int = 0
+    global_rows: Optional[int] = None
+
+
+class TieredTable:
+    """A table whose rows live in ``host_weight`` and are served from a ``num_slots`` cache.
+
+    Args:
+        name: table name used in every message.
+        host_weight: ``[num_rows, dim]`` host tier (kept by reference, never reallocated).
+        optimizer: fused optimizer applied to cached rows in backward.
+        num_slots: cache size in rows (``1 <= num_slots``; more than ``num_rows`` is clamped).
+        device: where the cache lives (``cpu`` or ``cuda``).
+        policy: eviction policy for unpinned slots.
+        hot_rows: rows loaded at start and never evicted (e.g. from a hotness profile).
+        host_state: optimizer state host tensors (allocated zeroed when not given).
+        row_offset / global_rows: position of this shard in the global table (messages).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        host_weight: torch.Tensor,
+        optimizer: OptimizerConfig,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        policy: EvictionPolicy | str = EvictionPolicy.LRU,
+        hot_rows: Optional[torch.Tensor] = None,
+        host_state: Optional[Dict[str, torch.Tensor]] = None,
+        row_offset: int = 0,
+        global_rows: Optional[int] = None,
+    ) -> None:
+        if host_weight.dim() != 2:
+            raise InvalidInputError(
+                f"table '{name}': host weight must be 2-D [rows, dim], got shape {tuple(host_weight.shape)}"
+            )
+        if not host_weight.is_floating_point():
+            raise InvalidInputError(f"table '{name}': host weight must be floating point, got {host_weight.dtype}")
+        if num_slots < 1:
+            raise CacheCapacityError(f"table '{name}': cache needs at least 1 slot, got num_slots={num_slots}")
+        self.name = name
+        self.device = torch.device(device)
+        self.optimizer = optimizer
+        self.num_rows, self.dim = int(host_weight.shape[0]), int(host_weight.shape[1])
+        self.num_slots = max(1, min(int(num_slots), self.num_rows)) if self.num_rows else 1
+        self.host_weight = host_weight
+        self.host_state: Dict[str, torch.Tensor] = {}
+        for key, shape in optimizer.state_shapes(self.dim).items():
+            given = (host_state or {}).get(key)
+            want = (self.num_rows, *shape)
+            if given is not None and tuple(given.shape) != want:
+                raise InvalidInputError(
+                    f"table '{name}': optimizer state '{key}' has shape {tuple(given.shape)}, expected {want}"
+                )
+            self.host_state[key] = given if given is not None else torch.zeros(want, dtype=torch.float32)
+        # Adam's bias correction counts steps per table; it is saved with the state.
+        self.step = 0
+        self._shard = _ShardInfo(name, row_offset, global_rows)
+
+        dtype = host_weight.dtype
+        self.cache_weight = torch.zeros(self.num_slots, self.dim, dtype=dtype, device=self.device)
+        self.cache_state = {
+            k: torch.zeros((self.num_slots, *v.shape[1:]), dtype=v.dtype, device=self.device)
+            for k, v in self.host_state.items()
+        }
+        self.row_bytes = self.dim * host_weight.element_size() + sum(
+            v[0].numel() * v.element_size() for v in self.host_state.values() if v.shape[0]
+        )
+
+        # Bookkeeping lives on the host whatever the device: it is consulted by the planner.
+        self.row_to_slot = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        self.slot_to_row = torch.full((self.num_slots,), -1, dtype=torch.int64)
+        self.pins = torch.zeros(self.num_slots, dtype=torch.int32)
+        self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
+        self.permanent = torch.zeros(self.num_slots, dtype=torch.bool)
+        self.ranking = SlotRanking(EvictionPolicy.parse(policy), self.num_slots, self.num_rows)
+        self.stats = TableStats()
+        self._in_flight = 0  # plans issued and not yet released
+        self._hot_rows = None if hot_rows is None else torch.unique(hot_rows.to(torch.int64))
+        self._load_hot_rows()
+
+    # ------------------------------------------------------------------ planning
+    def validate_rows(self, rows: torch.Tensor) -> None:
+        """Raises ``IdOutOfRangeError`` naming the table, the offending id and the limit."""
+        if rows.numel() == 0:
+            return
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo >= 0 and hi < self.num_rows:
+            return
+        bad = lo if lo < 0 else hi
+        s = self._shard
+        if s.global_rows is not None and (s.row_offset or s.global_rows != self.num_rows):
+            raise IdOutOfRangeError(
+                f"table '{s.global_name}': id {bad + s.row_offset} is out of range [0, {s.global_rows}) "
+                f"(local id {bad} in the shard of rows [{s.row_offset}, {s.row_offset + self.num_rows}))"
+            )
+        raise IdOutOfRangeError(
+            f"table '{s.global_name}': id {bad} is out of range [0, {self.num_rows})"
+        )
+
+    def plan(self, rows: torch.Tensor, depth_hint: Optional[int] = None) -> FetchPlan:
+        """Plans the residency of ``rows`` (unique, sorted, int64, on the host) and pins them.
+
+        Raises ``CacheCapacityError`` (changing nothing) when the misses do not fit in the
+        slots that no in-flight batch pins. ``depth_hint`` only improves that message.
+        """
+        self.validate_rows(rows)
+        slots = self.row_to_slot[rows]
+        hit = slots >= 0
+        fill_rows = rows[~hit]
+        n_miss = int(fill_rows.numel())
+        eligible = (self.pins == 0) & ~self.permanent
+        eligible[slots[hit]] = False  # the batch's own hits may not be evicted either
+        n_free = int(eligible.sum())
+        if n_miss > n_free:
+            self._raise_capacity(int(rows.numel()), n_miss, n_free, depth_hint)
+
+        victims = self.ranking.pick_victims(n_miss, eligible, self.slot_to_row)
+        victim_rows = self.slot_to_row[victims]
+        occupied = victim_rows >= 0
+        wb = occupied & self.dirty[victims]
+        writeback_slots, writeback_rows = victims[wb], victim_rows[wb]
+        self.row_to_slot[victim_rows[occupied]] = -1
+        self.slot_to_row[victims] = fill_rows
+        self.row_to_slot[fill_rows] = victims
+        # The victim's dirty bit now describes the incoming row, which is clean.
+        self.dirty[victims] = False
+        slots = slots.clone()
+        slots[~hit] = victims
+        self.pins[slots] += 1
+        self.ranking.touch(slots, rows)
+        self._in_flight += 1
+
+        plan = FetchPlan(self, rows, slots, fill_rows, victims, writeback_rows, writeback_slots)
+        st = self.stats
+        st.lookups_rows += int(rows.numel())
+        st.hits += plan.num_hits
+        st.rows_fetched += n_miss
+        st.rows_written_back += int(writeback_rows.numel())
+        st.bytes_moved += plan.bytes_to_move
+        return plan
+
+    def _raise_capacity(self, n_rows: int, n_miss: int, n_free: int, depth: Optional[int]) -> None:
+        pinned = int((self.pins > 0).sum())
+        permanent = int(self.permanent.sum())
+        # Slots that must hold distinct rows at once: this batch's rows, the slots pinned by
+        # other in-flight batches that are not among them, and the permanent hot rows.
+        needed = n_miss + (self.num_slots - n_free)
+        msg = (
+            f"table '{self._shard.global_name}': the device cache has {self.num_slots} slots but "
+            f"{needed} rows must be resident at once ({n_rows} rows for this batch, "
+            f"{pinned} slots pinned by {self._in_flight} in-flight batch(es), {permanent} permanently hot)"
+        )
+        if depth is not None:
+            fits = max(self.num_slots - permanent, 0) // max(n_rows, 1) - 1
+            msg += (
+                f"; with prefetch_depth={depth} about {(depth + 1) * n_rows} slots are needed "
+                f"(depth + 1 batches of ~{n_rows} rows). "
+                + (
+                    f"prefetch_depth <= {fits} would fit this cache"
+                    if fits >= 0
+                    else "no prefetch depth fits: raise the cache size (cache_load_factor)"
+                )
+            )
+        raise CacheCapacityError(msg)
+
+    # ------------------------------------------------------------------ data moves
+    @torch.no_grad()
+    def transfer(self, plan: FetchPlan) -> None:
+        """Executes the plan's data moves synchronously (the CPU transports call this).
+
+        Order matters: dirty victims are written back before the misses overwrite their slots.
+        """
+        if plan.writeback_slots.numel():
+            wb_slots = plan.writeback_slots.to(self.device)
+            self.host_weight[plan.writeback_rows] = self.cache_weight[wb_slots].to(self.host_weight.device)
+            for k, host in self.host_state.items():
+                host[plan.writeback_rows] = self.cache_state[k][wb_slots].to(host.device)
+        if plan.fill_rows.numel():
+            fill_slots = plan.fill_slots.to(self.device)
+            self.cache_weight[fill_slots] = self.host_weight[plan.fill_rows].to(self.device)
+            for k, host in self.host_state.items():
+                self.cache_state[k][fill_slots] = host[plan.fill_rows].to(self.device)
+
+    # ------------------------------------------------------------------ backward
+    @torch.no_grad()
+    def apply_gradients(self, plan: FetchPlan, row_grads: torch.Tensor) -> None:
+        """Applies the fused optimizer to the plan's rows and releases the plan.
+
+        ``row_grads[i]`` is the gradient of ``plan.rows[i]`` summed over the batch.
+        Non-finite gradients are refused before anything is written.
+        """
+        if row_grads.shape != (plan.rows.numel(), self.dim):
+            raise InvalidInputError(
+                f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match "
+                f"({plan.rows.numel()}, {self.dim})"
+            )
+        if not bool(torch.isfinite(row_grads).all()):
+            self.release(plan)
+            raise InvalidInputError(
+                f"table '{self._shard.global_name}': non-finite gradient reached the store; "
+                f"the update was skipped and the table is unchanged"
+            )
+        slots = plan.slots.to(self.device)
+        weight = self.cache_weight[slots]
+        state = {k: v[slots] for k, v in self.cache_state.items()}
+        self.step += 1
+        apply_row_update(self.optimizer, weight, row_grads.to(weight.dtype), state, self.step)
+        self.cache_weight[slots] = weight
+        for k, v in state.items():
+            self.cache_state[k][slots] = v
+        self.dirty[plan.slots] = True
+        self.stats.updates += 1
+        self.release(plan)
+
+    def release(self, plan: FetchPlan) -> None:
+        """Unpins the plan's slots (idempotent)."""
+        if plan.released:
+            return
+        plan.released = True
+        self.pins[plan.slots] -= 1
+        self._in_flight -= 1
+
+    # ------------------------------------------------------------------ host tier
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Writes every dirty slot back: afterwards the host tier equals a resident table."""
+        slots = torch.nonzero(self.dirty).flatten()
+        if slots.numel() == 0:
+            return
+        rows = self.slot_to_row[slots]
+        dev_slots = slots.to(self.device)
+        self.host_weight[rows] = self.cache_weight[dev_slots].to(self.host_weight.device)
+        for k, host in self.host_state.items():
+            host[rows] = self.cache_state[k][dev_slots].to(host.device)
+        self.dirty[slots] = False
+
+    def invalidate(self) -> None:
+        """Drops every cached row without writing back (after the host tier was overwritten)."""
+        if self._in_flight:
+            raise StoreStateError(
+                f"table '{self.name}': cannot invalidate the cache while {self._in_flight} "
+                f"batch(es) are in flight; drain the pipeline first"
+            )
+        self.row_to_slot.fill_(-1)
+        self.slot_to_row.fill_(-1)
+        self.dirty.fill_(False)
+        self.permanent.fill_(False)
+        self._load_hot_rows()
+
+    def _load_hot_rows(self) -> None:
+        if self._hot_rows is None or self._hot_rows.numel() == 0:
+            return
+        hot = self._hot_rows
+        self.validate_rows(hot)
+        if hot.numel() >= self.num_slots:
+            raise CacheCapacityError(
+                f"table '{self.name}': {hot.numel()} permanently hot rows leave no slot for cold "
+                f"rows in a cache of {self.num_slots} slots"
+            )
+        slots = torch.arange(hot.numel(), dtype=torch.int64)
+        self.slot_to_row[slots] = hot
+        self.row_to_slot[hot] = slots
+        self.permanent[slots] = True
+        self.transfer(FetchPlan(self, hot, slots, hot, slots, slots[:0], slots[:0], released=True))
+
+    def resident_rows(self) -> torch.Tensor:
+        """Rows currently mapped to a slot."""
+        return self.slot_to_row[self.slot_to_row >= 0]
+
+    # ------------------------------------------------------------------ debugging
+    def check_invariants(self, expect_drained: bool = False) -> None:
+        """Verifies maps, pins and dirty state; raises ``StoreStateError`` on the first breach."""
+        occ = torch.nonzero(self.slot_to_row >= 0).flatten()
+        rows = self.slot_to_row[occ]
+        problems = []
+        if rows.numel() != torch.unique(rows).numel():
+            problems.append("a row is mapped to two slots")
+        if not torch.equal(self.row_to_slot[rows], occ):
+            problems.append("row_to_slot and slot_to_row disagree")
+        if int((self.row_to_slot >= 0).sum()) != occ.numel():
+            problems.append("row_to_slot maps rows to empty slots")
+        if bool((self.pins < 0).any()):
+            problems.append("a pin count went negative")
+        if bool((self.dirty & (self.slot_to_row < 0)).any()):
+            problems.append("an empty slot is marked dirty")
+        if expect_drained and (int(self.pins.sum()) != 0 or self._in_flight != 0):
+            problems.append(f"{int(self.pins.sum())} pins / {self._in_flight} plans left after drain")
+        if problems:
+            raise StoreStateError(f"table '{self.name}': " + "; ".join(problems))
+
+    def __repr__(self) -> str:
+        return (
+            f"TieredTable(name={self.name!r}, rows={self.num_rows}, dim={self.dim}, "
+            f"slots={self.num_slots}, policy={self.ranking.policy.value}, optim={self.optimizer.optim.value})"
+        )
+
+
+def unique_rows(values: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Sorted unique rows of ``values`` and, for each value, the index of its row."""
+    rows, inverse = torch.unique(values.to(torch.int64).cpu(), sorted=True, return_inverse=True)
+    return rows, inverse
+
+
+def tables_check_invariants(tables: Sequence[TieredTable], expect_drained: bool = False) -> None:
+    for t in tables:
+        t.check_invariants(expect_drained)
