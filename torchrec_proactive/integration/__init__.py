@@ -1,0 +1,1 @@
+"""TorchRec-facing layer: sharder, sharded module, kernel and pipeline."""

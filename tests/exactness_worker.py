@@ -1,0 +1,100 @@
+"""Rank-side code of the multi-process exactness tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder, ProactiveTrainPipeline
+from torchrec_proactive.planning import build_plan, combined_optimizer, shard_model
+
+from .sparse_model import SparseModel, make_batch, make_tables
+
+LR = 0.05
+FUSED = {
+    "sgd": {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
+    "rowwise_adagrad": {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8},
+    "adagrad": {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR, "eps": 1e-8},
+    "adam": {"optimizer": EmbOptimType.ADAM, "learning_rate": LR, "eps": 1e-8},
+}
+
+
+def _build(sharder, sharding, kernel, tables, seed_state):
+    torch.manual_seed(0)
+    model = SparseModel(tables)
+    plan = build_plan(model, sharder, sharding, kernel=kernel)
+    dmp = shard_model(model, sharder, plan, torch.device("cpu"))
+    dmp.load_state_dict(copy.deepcopy(seed_state))  # loading consumes the dict
+    opt = combined_optimizer(dmp, lambda params: torch.optim.SGD(params, lr=LR))
+    return dmp, opt
+
+
+def _run(pipeline, batches) -> List[torch.Tensor]:
+    it = iter(batches)
+    out = []
+    while True:
+        try:
+            out.append(pipeline.progress(it))
+        except StopIteration:
+            return out
+
+
+def _params(dmp) -> Dict[str, torch.Tensor]:
+    sd = dmp.state_dict()
+    out = {}
+    for k, v in sd.items():
+        if hasattr(v, "local_shards"):
+            for i, s in enumerate(v.local_shards()):
+                out[f"{k}#{i}"] = s.tensor.detach().clone()
+        else:
+            out[k] = v.detach().clone()
+    return out
+
+
+def train_and_compare(rank: int, world_size: int, sharding: Any, optimizer: str, depths: List[int],
+                      cache_load_factor: float, steps: int = 6, batch_size: int = 32, rows: int = 600,
+                      policy: str = "lru", compare_stock: bool = True, weighted: bool = False) -> Dict[str, Any]:
+    tables = make_tables(4, rows=rows, dim=8, shared_feature=True)
+    torch.manual_seed(123)
+    seed_state = SparseModel(tables).state_dict()
+    batches = [make_batch(tables, batch_size, seed=1000 * rank + i, weighted=weighted) for i in range(steps)]
+    fused = FUSED[optimizer]
+    result: Dict[str, Any] = {"rank": rank}
+    ref_out = ref_params = None
+    if compare_stock:
+        stock = EmbeddingBagCollectionSharder(fused_params=dict(fused))
+        dmp, opt = _build(stock, sharding, "fused", tables, seed_state)
+        ref_out = _run(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches)
+        ref_params = _params(dmp)
+    per_depth = {}
+    for k in depths:
+        sharder = ProactiveEmbeddingBagCollectionSharder(
+            fused_params=dict(fused), cache_load_factor=cache_load_factor, eviction_policy=policy, debug_checks=True
+        )
+        dmp, opt = _build(sharder, sharding, "fused_uvm_caching", tables, seed_state)
+        pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=k)
+        out = _run(pipe, batches)
+        params = _params(dmp)
+        ebc = dmp.module.ebc
+        ebc.check_invariants(expect_drained=True)
+        per_depth[k] = {"out": out, "params": params, "stats": pipe.stats()}
+    result["n_out"] = {k: len(v["out"]) for k, v in per_depth.items()}
+    base = per_depth[depths[0]]
+    result["bitwise_equal_across_depths"] = all(
+        all(torch.equal(a, b) for a, b in zip(v["out"], base["out"]))
+        and all(torch.equal(v["params"][n], base["params"][n]) for n in base["params"])
+        for v in per_depth.values()
+    )
+    if compare_stock:
+        result["max_out_diff_vs_stock"] = max(float((a - b).abs().max()) for a, b in zip(base["out"], ref_out))
+        result["max_param_diff_vs_stock"] = max(float((base["params"][n] - ref_params[n]).abs().max()) for n in ref_params)
+        result["same_keys_as_stock"] = sorted(ref_params) == sorted(base["params"])
+    result["stats"] = {k: v["stats"] for k, v in per_depth.items()}
+    return result

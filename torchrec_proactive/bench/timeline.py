@@ -1,0 +1,519 @@
+"""Pipeline timelines from recorded trace events (Chrome trace JSON, PNG, summary numbers).
+
+The training pipeline records, per rank, one :class:`TraceEvent` per phase of a batch (the
+dict form ``{lane, name, batch, start_s, end_s, rank}`` is accepted everywhere an event is).
+Lanes, top to bottom in every picture:
+
+==============  ===================================================
+``data_dist``   input all-to-all of the sparse ids ("a2a ids b5")
+``fetch``       host -> device copy of the batch's cold rows ("fetch b7")
+``compute``     forward / backward ("fwd b3", "bwd b3")
+``output_comm`` pooled-embedding all-to-all (forward and backward)
+``allreduce``   dense-gradient all-reduce
+==============  ===================================================
+
+Unknown lanes are kept and placed after these, in alphabetical order.
+
+* :func:`write_chrome_trace` - ``{"traceEvents": [...]}`` with ``"X"`` events, times in µs,
+  one process per configuration, one thread per (rank, lane); opens in chrome://tracing and
+  Perfetto.
+* :func:`render_timeline_png` - the picture of the paper's Fig. 1: one subplot per
+  configuration, one row per lane (per rank), bars coloured by batch index.
+* :func:`summarize` - busy time per lane and how much of the fetch time is hidden.
+
+Nothing here imports TorchRec or torch; matplotlib is used through its Agg canvas only (no
+pyplot, no global backend switch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    "LANES",
+    "LANE_LABELS",
+    "TraceEvent",
+    "lane_order",
+    "write_chrome_trace",
+    "render_timeline_png",
+    "summarize",
+    "dump_events",
+    "load_events",
+]
+
+#: Known lanes, in display order (top to bottom) and Chrome-trace thread order.
+LANES: Tuple[str, ...] = ("data_dist", "fetch", "compute", "output_comm", "allreduce")
+
+#: Human-readable lane names used as row labels.
+LANE_LABELS: Dict[str, str] = {
+    "data_dist": "data-dist comm",
+    "fetch": "row fetch",
+    "compute": "compute",
+    "output_comm": "output comm",
+    "allreduce": "all-reduce",
+}
+
+# Lanes that do no useful work: time spent in them does not hide a fetch.
+_IDLE_LANES = frozenset({"stall", "wait", "idle"})
+# Lanes whose end marks the end of a training step of a batch.
+_STEP_LANES = ("compute", "output_comm", "allreduce")
+
+EventLike = Union["TraceEvent", Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One phase of one batch on one rank.
+
+    Invariants (checked on construction): ``lane`` is a non-empty string, ``batch`` and
+    ``rank >= 0`` are ints, ``start_s`` and ``end_s`` are finite and ``end_s >= start_s``.
+    Times are ``time.perf_counter()`` seconds (any common origin per configuration).
+    """
+
+    lane: str
+    name: str
+    batch: int
+    start_s: float
+    end_s: float
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lane, str) or not self.lane:
+            raise ValueError(f"TraceEvent.lane = {self.lane!r} must be a non-empty string")
+        if not isinstance(self.name, str):
+            raise ValueError(f"TraceEvent.name = {self.name!r} must be a string")
+        for fld in ("batch", "rank"):
+            v = getattr(self, fld)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"TraceEvent.{fld} = {v!r} must be an int")
+        if self.rank < 0:
+            raise ValueError(f"TraceEvent.rank = {self.rank} is below the limit 0")
+        for fld in ("start_s", "end_s"):
+            v = getattr(self, fld)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"TraceEvent.{fld} = {v!r} must be a finite number")
+        if self.end_s < self.start_s:
+            raise ValueError(
+                f"TraceEvent.end_s = {self.end_s!r} is below the limit start_s = {self.start_s!r} "
+                f"({self.name!r}, lane {self.lane!r})"
+            )
+
+    @property
+    def duration_s(self) -> float:
+        """``end_s - start_s`` (>= 0)."""
+        return self.end_s - self.start_s
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain JSON-able dict; ``TraceEvent.from_dict(e.to_dict()) == e``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TraceEvent":
+        """Build from a dict with keys ``lane, name, batch, start_s, end_s`` (``rank`` optional,
+        default 0). Numbers are coerced (``batch``/``rank`` to int, times to float); extra keys
+        are ignored. Raises ``ValueError`` naming a missing key."""
+        missing = [k for k in ("lane", "name", "batch", "start_s", "end_s") if k not in d]
+        if missing:
+            raise ValueError(f"trace event dict lacks key(s) {missing}: {dict(d)!r}")
+        return cls(
+            lane=str(d["lane"]),
+            name=str(d["name"]),
+            batch=int(d["batch"]),
+            start_s=float(d["start_s"]),
+            end_s=float(d["end_s"]),
+            rank=int(d.get("rank", 0)),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _coerce(events: Iterable[EventLike]) -> List[TraceEvent]:
+    out: List[TraceEvent] = []
+    for e in events:
+        if isinstance(e, TraceEvent):
+            out.append(e)
+        elif isinstance(e, Mapping):
+            out.append(TraceEvent.from_dict(e))
+        else:
+            raise ValueError(f"trace event must be a TraceEvent or a dict, got {type(e).__name__}")
+    return out
+
+
+def _coerce_configs(events_by_config: Mapping[str, Sequence[EventLike]]) -> Dict[str, List[TraceEvent]]:
+    if not isinstance(events_by_config, Mapping):
+        raise ValueError(
+            f"events_by_config must be a mapping configuration -> events, got {type(events_by_config).__name__}"
+        )
+    if len(events_by_config) == 0:
+        raise ValueError("events_by_config is empty: need at least one configuration")
+    return {str(k): _coerce(v) for k, v in events_by_config.items()}
+
+
+def lane_order(events: Iterable[EventLike]) -> List[str]:
+    """Lanes present in ``events``: the known :data:`LANES` first (in that order), then the
+    others alphabetically. Deterministic; every lane of ``events`` appears exactly once."""
+    present = {e.lane for e in _coerce(events)}
+    return [l for l in LANES if l in present] + sorted(present - set(LANES))
+
+
+def _merge(intervals: Iterable[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """Union of closed intervals as a sorted list of disjoint intervals."""
+    merged: List[Tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            if e > merged[-1][1]:
+                merged[-1] = (merged[-1][0], e)
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def _length(merged: Sequence[Tuple[float, float]]) -> float:
+    return float(sum(e - s for s, e in merged))
+
+
+def _intersection_length(a: Sequence[Tuple[float, float]], b: Sequence[Tuple[float, float]]) -> float:
+    """Length of the intersection of two merged interval lists (two-pointer sweep)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo = max(a[i][0], b[j][0])
+        hi = min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _step_starts(events: Sequence[TraceEvent]) -> List[Tuple[int, float]]:
+    """(batch, first start on the compute lane) sorted by batch; all lanes if no compute."""
+    pool = [e for e in events if e.lane == "compute"] or list(events)
+    first: Dict[int, float] = {}
+    for e in pool:
+        if e.batch not in first or e.start_s < first[e.batch]:
+            first[e.batch] = e.start_s
+    return sorted(first.items())
+
+
+def _mean_step(events: Sequence[TraceEvent]) -> Optional[float]:
+    starts = _step_starts(events)
+    if len(starts) < 2:
+        return None
+    return (starts[-1][1] - starts[0][1]) / (len(starts) - 1)
+
+
+def _skip_warmup(events: Sequence[TraceEvent], warmup_batches: int) -> List[TraceEvent]:
+    if warmup_batches <= 0:
+        return list(events)
+    batches = sorted({b for b, _ in _step_starts(events)})
+    if warmup_batches >= len(batches):
+        return []
+    first_kept = batches[warmup_batches]
+    return [e for e in events if e.batch >= first_kept]
+
+
+# --------------------------------------------------------------------------------------------
+# summary
+
+
+def _rank_summary(events: Sequence[TraceEvent]) -> Dict[str, Any]:
+    by_lane: Dict[str, List[Tuple[float, float]]] = {}
+    for e in events:
+        by_lane.setdefault(e.lane, []).append((e.start_s, e.end_s))
+    merged = {lane: _merge(iv) for lane, iv in by_lane.items()}
+    fetch = merged.get("fetch", [])
+    others = _merge(
+        iv for lane, ivs in merged.items() if lane != "fetch" and lane not in _IDLE_LANES for iv in ivs
+    )
+    fetch_busy = _length(fetch)
+    overlap = _intersection_length(fetch, others)
+    return {
+        "busy_s": {lane: _length(merged[lane]) for lane in lane_order(events)},
+        "fetch_busy_s": fetch_busy,
+        "fetch_overlap_s": overlap,
+        "fetch_exposed_s": fetch_busy - overlap,
+        "fetch_overlap_fraction": overlap / fetch_busy if fetch_busy > 0 else 0.0,
+        "span_s": (max(e.end_s for e in events) - min(e.start_s for e in events)) if events else 0.0,
+        "mean_step_s": _mean_step(events),
+        "num_batches": len({e.batch for e in events}),
+    }
+
+
+def summarize(events: Sequence[EventLike], *, warmup_batches: int = 0) -> Dict[str, Any]:
+    """Busy time per lane and the fetch/compute overlap of one configuration's events.
+
+    All interval arithmetic is per rank, on the *union* of a lane's events (two overlapping
+    events of one lane count once), and the per-rank figures are summed:
+
+    * ``busy_s[lane]`` - time the lane is busy.
+    * ``fetch_overlap_s`` - fetch time during which another lane of the same rank (compute or
+      any communication; not a ``stall``/``wait``/``idle`` lane) is busy.
+    * ``fetch_overlap_fraction = fetch_overlap_s / fetch_busy_s`` in [0, 1] (0.0 when there is
+      no fetch at all; check ``fetch_busy_s``).
+    * ``fetch_exposed_s`` (= ``stall_s``) - fetch time during which nothing else runs.
+    * ``mean_step_s`` - mean distance between first compute starts of consecutive batches,
+      averaged over ranks (``None`` with fewer than two batches).
+
+    ``warmup_batches`` drops the events of the first that many batches (by compute order).
+    ``per_rank`` holds the same figures for each rank.
+    """
+    if isinstance(warmup_batches, bool) or not isinstance(warmup_batches, int) or warmup_batches < 0:
+        raise ValueError(f"warmup_batches = {warmup_batches!r} must be an int >= 0")
+    evs = _coerce(events)
+    ranks = sorted({e.rank for e in evs})
+    per_rank: Dict[int, Dict[str, Any]] = {}
+    for r in ranks:
+        per_rank[r] = _rank_summary(_skip_warmup([e for e in evs if e.rank == r], warmup_batches))
+    kept = [e for r in ranks for e in _skip_warmup([e for e in evs if e.rank == r], warmup_batches)]
+    lanes = lane_order(kept)
+    busy = {lane: float(sum(p["busy_s"].get(lane, 0.0) for p in per_rank.values())) for lane in lanes}
+    fetch_busy = float(sum(p["fetch_busy_s"] for p in per_rank.values()))
+    overlap = float(sum(p["fetch_overlap_s"] for p in per_rank.values()))
+    steps = [p["mean_step_s"] for p in per_rank.values() if p["mean_step_s"] is not None]
+    return {
+        "num_events": len(kept),
+        "ranks": ranks,
+        "lanes": lanes,
+        "num_batches": len({e.batch for e in kept}),
+        "span_s": (max(e.end_s for e in kept) - min(e.start_s for e in kept)) if kept else 0.0,
+        "busy_s": busy,
+        "fetch_busy_s": fetch_busy,
+        "fetch_overlap_s": overlap,
+        "fetch_overlap_fraction": overlap / fetch_busy if fetch_busy > 0 else 0.0,
+        "fetch_exposed_s": fetch_busy - overlap,
+        "stall_s": fetch_busy - overlap,
+        "mean_step_s": (sum(steps) / len(steps)) if steps else None,
+        "per_rank": per_rank,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Chrome trace
+
+
+def _global_lanes(configs: Mapping[str, Sequence[TraceEvent]]) -> List[str]:
+    extras = sorted({e.lane for evs in configs.values() for e in evs} - set(LANES))
+    return list(LANES) + extras
+
+
+def write_chrome_trace(events_by_config: Mapping[str, Sequence[EventLike]], path: Union[str, Path]) -> Path:
+    """Write a Chrome trace (``{"traceEvents": [...]}``) and return its path.
+
+    * one process per configuration: ``pid`` = 1-based position in ``events_by_config``, named
+      by a ``process_name`` metadata event;
+    * one thread per (rank, lane): ``tid = rank * stride + lane_index`` with ``stride = 10``
+      (larger only if there are more than 10 lanes) and lane_index the position in
+      :data:`LANES` followed by the unknown lanes (sorted); named ``"rank R / lane"``;
+    * every event is a complete event ``ph="X"`` with ``ts``/``dur`` in microseconds relative
+      to the earliest event of its configuration (so ``ts >= 0``, ``dur >= 0``).
+    """
+    configs = _coerce_configs(events_by_config)
+    lanes = _global_lanes(configs)
+    stride = 10 if len(lanes) <= 10 else 10 ** math.ceil(math.log10(len(lanes) + 1))
+    lane_idx = {lane: i for i, lane in enumerate(lanes)}
+    out: List[Dict[str, Any]] = []
+    for pid, (cfg, evs) in enumerate(configs.items(), start=1):
+        out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": cfg}})
+        out.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        if not evs:
+            continue
+        t0 = min(e.start_s for e in evs)
+        threads = sorted({(e.rank, e.lane) for e in evs}, key=lambda rl: (rl[0], lane_idx[rl[1]]))
+        for rank, lane in threads:
+            tid = rank * stride + lane_idx[lane]
+            out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                        "args": {"name": f"rank {rank} / {lane}"}})
+            out.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                        "args": {"sort_index": tid}})
+        for e in sorted(evs, key=lambda e: (e.start_s, e.rank, lane_idx[e.lane])):
+            out.append({
+                "name": e.name,
+                "cat": e.lane,
+                "ph": "X",
+                "ts": round((e.start_s - t0) * 1e6, 3),
+                "dur": round((e.end_s - e.start_s) * 1e6, 3),
+                "pid": pid,
+                "tid": e.rank * stride + lane_idx[e.lane],
+                "args": {"batch": e.batch, "rank": e.rank, "lane": e.lane},
+            })
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"configurations": list(configs)}}
+    path.write_text(json.dumps(doc, allow_nan=False))
+    return path
+
+
+def dump_events(events_by_config: Mapping[str, Sequence[EventLike]], path: Union[str, Path]) -> Path:
+    """Save raw events as ``{config: [event dict, ...]}`` JSON (round-trips via :func:`load_events`)."""
+    configs = _coerce_configs(events_by_config)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({k: [e.to_dict() for e in v] for k, v in configs.items()}, allow_nan=False))
+    return path
+
+
+def load_events(path: Union[str, Path]) -> Dict[str, List[TraceEvent]]:
+    """Inverse of :func:`dump_events` (configuration order preserved)."""
+    raw = json.loads(Path(path).read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object config -> events, got {type(raw).__name__}")
+    return {str(k): _coerce(v) for k, v in raw.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# PNG
+
+
+def _select_ranks(evs: Sequence[TraceEvent], ranks: Union[int, str, Sequence[int]]) -> List[int]:
+    present = sorted({e.rank for e in evs})
+    if isinstance(ranks, str):
+        if ranks != "all":
+            raise ValueError(f"ranks = {ranks!r}: expected an int, a list of ints or 'all'")
+        return present
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        if ranks in present or not present:
+            return [ranks]
+        return present[:1]  # the requested rank did not record: show the lowest one
+    wanted = [int(r) for r in ranks]
+    return [r for r in wanted if r in present] or present[:1]
+
+
+def _default_skip(num_batches: int, max_batches: int) -> int:
+    """Skip max(2, 20 %) of the batches as warm-up, but keep at least ``max_batches``."""
+    return max(0, min(num_batches - max_batches, max(2, num_batches // 5)))
+
+
+def _window(
+    evs: Sequence[TraceEvent], max_batches: Optional[int], skip_batches: Optional[int]
+) -> Tuple[float, float, int]:
+    """(t0, t1, number of skipped warm-up batches) of the picture of one configuration."""
+    batches = [b for b, _ in _step_starts(evs)]
+    if max_batches is None and not skip_batches:
+        return min(e.start_s for e in evs), max(e.end_s for e in evs), 0
+    n = len(batches) if max_batches is None else max_batches
+    skip = _default_skip(len(batches), n) if skip_batches is None else min(skip_batches, len(batches) - 1)
+    chosen = batches[skip:skip + n]
+
+    def step_end(b: int) -> float:
+        pool = [e for e in evs if e.batch == b and e.lane in _STEP_LANES] or [e for e in evs if e.batch == b]
+        return max(e.end_s for e in pool)
+
+    # The window opens where the previous batch's step ended (so the reactive data dist and
+    # fetch of the first chosen batch are visible) and closes where the last chosen step ends.
+    t0 = step_end(batches[skip - 1]) if skip > 0 else min(e.start_s for e in evs)
+    t1 = step_end(chosen[-1])
+    return t0, max(t1, t0 + 1e-9), skip
+
+
+def render_timeline_png(
+    events_by_config: Mapping[str, Sequence[EventLike]],
+    path: Union[str, Path],
+    max_batches: Optional[int] = None,
+    title: Optional[str] = None,
+    *,
+    ranks: Union[int, str, Sequence[int]] = 0,
+    skip_batches: Optional[int] = None,
+    dpi: int = 120,
+) -> Path:
+    """Draw the pipeline timeline (paper Fig. 1 style) and return the PNG path.
+
+    One subplot per configuration (mapping order, top to bottom), a shared x axis in ms
+    measured from each configuration's window start, one row per lane (per displayed rank:
+    rank 0 by default, every rank with ``ranks="all"``), bars coloured by ``batch % 10``
+    (tab10) and labelled ``b<batch>`` when wide enough. Each subplot states the mean step
+    time and the total stall (exposed fetch, see :func:`summarize`) of the displayed ranks,
+    computed on the whole trace minus the warm-up batches.
+
+    With ``max_batches`` the picture shows that many steady-state steps after skipping
+    ``skip_batches`` warm-up batches (default: max(2, 20 %) of them, never leaving fewer than
+    ``max_batches``); events are clipped to the window. Without it, the whole trace is drawn.
+    """
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1):
+        raise ValueError(f"max_batches = {max_batches!r} must be None or an int >= 1")
+    if skip_batches is not None and (isinstance(skip_batches, bool) or not isinstance(skip_batches, int) or skip_batches < 0):
+        raise ValueError(f"skip_batches = {skip_batches!r} must be None or an int >= 0")
+    configs = _coerce_configs(events_by_config)
+    all_lanes = [l for l in _global_lanes(configs) if any(e.lane == l for evs in configs.values() for e in evs)]
+    all_lanes = all_lanes or list(LANES)
+    cmap = colormaps["tab10"]
+
+    # Lay out rows first so every subplot gets the height it needs.
+    plan = []
+    for cfg, evs in configs.items():
+        shown = _select_ranks(evs, ranks)
+        plan.append((cfg, [e for e in evs if e.rank in shown], shown))
+    rows_per = [max(1, len(shown)) * len(all_lanes) for _, _, shown in plan]
+    height = 1.6 + sum(0.32 * r + 0.9 for r in rows_per)
+    fig = Figure(figsize=(13, height), dpi=dpi)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(plan), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": rows_per})[:, 0]
+
+    x_max = 0.0
+    legend_batches: Dict[int, None] = {}
+    for ax, (cfg, evs, shown) in zip(axes, plan):
+        ax.set_title(cfg, loc="left", fontsize=10, fontweight="bold")
+        row_labels: List[str] = []
+        row_of: Dict[Tuple[int, str], int] = {}
+        for r in shown:
+            for lane in all_lanes:
+                row_of[(r, lane)] = len(row_labels)
+                label = LANE_LABELS.get(lane, lane)
+                row_labels.append(f"r{r} {label}" if len(shown) > 1 else label)
+        ax.set_yticks(range(len(row_labels)))
+        ax.set_yticklabels(row_labels, fontsize=8)
+        ax.set_ylim(len(row_labels) - 0.5, -0.5)
+        ax.grid(axis="x", linestyle=":", linewidth=0.5)
+        if not evs:
+            ax.text(0.5, 0.5, "no events", transform=ax.transAxes, ha="center", va="center")
+            continue
+        t0, t1, warm = _window(evs, max_batches, skip_batches)
+        span_ms = (t1 - t0) * 1e3
+        x_max = max(x_max, span_ms)
+        for e in evs:
+            s, t = max(e.start_s, t0), min(e.end_s, t1)
+            if t < s or (t == s and e.duration_s > 0):
+                continue
+            left, width = (s - t0) * 1e3, (t - s) * 1e3
+            y = row_of[(e.rank, e.lane)]
+            ax.barh(y, width, left=left, height=0.72, color=cmap(e.batch % cmap.N),
+                    edgecolor="black", linewidth=0.4)
+            legend_batches[e.batch] = None
+            if width >= 0.035 * span_ms:
+                ax.text(left + width / 2, y, f"b{e.batch}", ha="center", va="center", fontsize=7, clip_on=True)
+        summ = summarize(evs, warmup_batches=warm)
+        step = summ["mean_step_s"]
+        n_ranks = max(1, len(summ["ranks"]))
+        stall_ms = summ["stall_s"] * 1e3 / n_ranks
+        txt = (f"mean step {step * 1e3:.2f} ms" if step is not None else "mean step n/a") + (
+            f"\ntotal stall {stall_ms:.2f} ms" + (" (per rank)" if n_ranks > 1 else "")
+            + f"\nfetch hidden {100 * summ['fetch_overlap_fraction']:.0f} %"
+        )
+        ax.text(1.005, 0.98, txt, transform=ax.transAxes, ha="left", va="top", fontsize=8,
+                bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9, "linewidth": 0.5})
+    for ax in axes:
+        ax.set_xlim(0, x_max * 1.01 if x_max > 0 else 1.0)
+    axes[-1].set_xlabel("time in window (ms)")
+    batches_shown = sorted(legend_batches)
+    if batches_shown and len(batches_shown) <= 16:
+        handles = [Patch(facecolor=cmap(b % cmap.N), edgecolor="black", label=f"batch {b}") for b in batches_shown]
+        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
+    fig.suptitle(title or "Pipeline timeline", fontsize=12)
+    fig.subplots_adjust(left=0.12, right=0.84, top=1 - 0.55 / height, bottom=1.0 / height, hspace=0.45)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path

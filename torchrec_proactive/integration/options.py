@@ -1,0 +1,58 @@
+"""User-facing knobs of the proactive tables, shared by the sharder and the kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional
+
+import torch
+
+from ..fetch import LinkModel
+from ..store import EvictionPolicy
+
+
+@dataclass(frozen=True)
+class ProactiveOptions:
+    """How proactive tables are cached.
+
+    Attributes:
+        cache_load_factor: default cache size as a fraction of each local shard's rows, used
+            when the plan's ``CacheParams(load_factor=...)`` does not give one.
+        num_slots: per-table cache size in rows; wins over any load factor.
+        eviction_policy: default policy when the plan's ``CacheParams.algorithm`` is unset.
+        hot_rows: per-table global row ids kept permanently in the cache (hotness profile).
+        link: model of the host-to-device link on CPU (``None`` = plain in-process copy).
+            Ignored on CUDA, where the copy stream is the link.
+        debug_checks: verify the store's invariants after every batch (slow; for tests).
+    """
+
+    cache_load_factor: float = 0.2
+    num_slots: Mapping[str, int] = field(default_factory=dict)
+    eviction_policy: str = "lru"
+    hot_rows: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    link: Optional[LinkModel] = None
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.cache_load_factor <= 1.0:
+            raise ValueError(f"cache_load_factor must be in (0, 1], got {self.cache_load_factor}")
+        EvictionPolicy.parse(self.eviction_policy)
+        for name, n in self.num_slots.items():
+            if int(n) < 1:
+                raise ValueError(f"num_slots['{name}'] must be >= 1, got {n}")
+
+    def num_slots_for(self, table: str, local_rows: int, load_factor: float) -> int:
+        if table in self.num_slots:
+            return int(self.num_slots[table])
+        if not 0.0 < load_factor <= 1.0:
+            raise ValueError(f"table '{table}': cache load factor must be in (0, 1], got {load_factor}")
+        return max(1, int(round(load_factor * local_rows)))
+
+    def hot_rows_for(self, table: str, row_offset: int, local_rows: int) -> Optional[torch.Tensor]:
+        """The table's hot rows that fall in this shard, as local ids."""
+        rows = self.hot_rows.get(table)
+        if rows is None:
+            return None
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        mine = rows[(rows >= row_offset) & (rows < row_offset + local_rows)]
+        return mine - row_offset

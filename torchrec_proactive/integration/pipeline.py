@@ -1,0 +1,261 @@
+"""``TrainPipelineSparseDist`` with a k-deep proactive fetch of cold embedding rows.
+
+Steady state at the start of step ``N`` (depth ``k >= 1``): the pipeline holds batches
+``N .. N+k``. Batches ``N .. N+k-1`` have their rows in flight or resident (fetch issued);
+batch ``N+k`` has its id all-to-all in flight. Step ``N`` then runs::
+
+    1. zero_grad
+    2. prefetch N+k      wait for its ids (input all-to-all), plan its rows, issue the fetch
+    3. enqueue N+k+1     load it and start its input all-to-all (splits)
+    4. forward N         waits for N's fetch ticket (usually long done), lookup, output a2a
+    5. launch N+k+1      the ids all-to-all of N+k+1 (second half of input dist)
+    6. backward N        fused embedding update (unpins N's rows), dense all-reduce
+    7. optimizer step, dequeue N
+
+so the copy of N+k's cold rows overlaps steps 3-7 of N and all of N+1 .. N+k-1. With
+``k = 0`` (reactive) step 2 only waits for N's ids and the rows are fetched inside forward,
+on the critical path - TorchRec's behaviour, kept as the baseline.
+
+Capacity: ``k + 1`` batches hold pinned cache rows and one more has ids in flight; all of it
+derives from ``prefetch_depth``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.utils import _wait_for_batch
+
+from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
+from .tracing import PipelineTracer
+
+
+class ProactiveTrainPipeline(TrainPipelineSparseDist):
+    """Drop-in for ``TrainPipelineSparseDist`` that fetches cold rows ``prefetch_depth`` batches ahead.
+
+    Same ``progress(dataloader_iter)`` contract: returns the model output of one batch and
+    raises ``StopIteration`` once the iterator is exhausted and the in-flight batches are
+    drained. In ``model.eval()`` mode the forward runs under ``torch.no_grad()``.
+
+    Args:
+        model: a ``DistributedModelParallel`` sharded with
+            :class:`ProactiveEmbeddingBagCollectionSharder` (other sharded modules run stock).
+        optimizer: the dense optimizer (usually a ``CombinedOptimizer`` with the fused one).
+        device: training device.
+        prefetch_depth: ``k``; 0 is the reactive baseline.
+        trace: record per-rank trace events (see :class:`PipelineTracer`) for timelines.
+    """
+
+    _pipelined_forward_type = PrefetchPipelinedForward
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        prefetch_depth: int = 2,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        custom_model_fwd: Optional[Any] = None,
+        trace: bool = False,
+    ) -> None:
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be an integer >= 0, got {prefetch_depth!r}")
+        super().__init__(
+            model=model,
+            optimizer=optimizer,
+            device=device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            context_type=PrefetchTrainPipelineContext,
+            custom_model_fwd=custom_model_fwd,
+        )
+        self.prefetch_depth = prefetch_depth
+        self.tracer = PipelineTracer(enabled=trace)
+        self._proactive_modules: List[ProactiveShardedEmbeddingBagCollection] = []
+        # Names of the contexts whose ids were waited for (and fetch issued when k >= 1).
+        self._prefetched: set = set()
+        # Before the model is rewritten, plain calls go straight to the sharded modules:
+        # tell them the depth now so a bypassed pipeline fails loudly instead of silently.
+        for module in self._find_proactive_modules(model):
+            module.set_prefetch_depth(prefetch_depth)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _find_proactive_modules(model: torch.nn.Module) -> List[ProactiveShardedEmbeddingBagCollection]:
+        root = model.module if isinstance(model, DistributedModelParallel) else model
+        return [m for m in root.modules() if isinstance(m, ProactiveShardedEmbeddingBagCollection)]
+
+    def _configure_modules(self) -> None:
+        self._proactive_modules = [
+            m for m in self._pipelined_modules if isinstance(m, ProactiveShardedEmbeddingBagCollection)
+        ]
+        for module in self._proactive_modules:
+            module.set_prefetch_depth(self.prefetch_depth)
+            module.proactive_stats.keep_records = module.proactive_stats.keep_records or self.tracer.enabled
+
+    def _launch_input_dist(self, i: int) -> None:
+        """Starts and launches the input all-to-all of ``self.batches[i]`` (both halves)."""
+        ctx = self.contexts[i]
+        t0 = time.perf_counter()
+        self.start_sparse_data_dist(self.batches[i], ctx)
+        self.tracer.open("data_dist", ctx.index, t0)
+
+    def _prefetch(self, i: int) -> None:
+        """Waits for the ids of ``contexts[i]`` and, at depth >= 1, issues its row fetch."""
+        context: PrefetchTrainPipelineContext = self.contexts[i]  # type: ignore[assignment]
+        if context.index in self._prefetched:
+            return
+        self._prefetched.add(context.index)
+        stream = self._data_dist_stream
+        for module in self._pipelined_modules:
+            name = module.forward.name  # type: ignore[union-attr]
+            request = context.input_dist_tensors_requests.pop(name)
+            with self._stream_context(stream) if stream is not None else contextlib.nullcontext():
+                dist_input = request.wait()
+            module_ctx = context.module_contexts.pop(name)
+            if stream is not None:
+                # 1. ids land on the data-dist stream; 2. the current (prefetch) stream waits
+                # for them; 3. both streams that will read them keep the memory alive.
+                current = torch.get_device_module(self._device).current_stream()
+                current.wait_stream(stream)
+                dist_input.record_stream(current)
+                module_ctx.record_stream(current)
+            module_ctx.batch_index = context.index  # type: ignore[attr-defined]
+            if self.prefetch_depth > 0 and isinstance(module, ProactiveShardedEmbeddingBagCollection):
+                module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_ctx)
+            context.module_input_post_prefetch[name] = dist_input
+            context.module_contexts_post_prefetch[name] = module_ctx
+        self.tracer.close("data_dist", context.index)
+
+    # ------------------------------------------------------------------ pipeline
+    def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """Fills an empty pipeline: batches 0..k with ids launched, fetches of 0..k-1 issued."""
+        if self.batches:
+            return
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        t0 = time.perf_counter()
+        self._init_pipelined_modules(self.batches[0], self.contexts[0], self._pipelined_forward_type)
+        self._configure_modules()
+        self.tracer.open("data_dist", self.contexts[0].index, t0)
+        self.wait_sparse_data_dist(self.contexts[0])
+        for j in range(1, self.prefetch_depth + 1):
+            self._prefetch(j - 1)
+            if not self.enqueue_batch(dataloader_iter):
+                return
+            self._launch_input_dist(j)
+            self.wait_sparse_data_dist(self.contexts[j])
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            raise StopIteration
+        training = self._model.training
+        k = self.prefetch_depth
+        current = self.contexts[0]
+        self._set_module_context(current)
+
+        # 1. zero_grad
+        if training:
+            self._optimizer.zero_grad()
+        _wait_for_batch(self.batches[0], self._data_dist_stream)
+
+        # 2. ids of N+k are local: issue its fetch (at k = 0 only N's ids are waited for)
+        for i in range(min(k, len(self.batches) - 1) + 1):
+            self._prefetch(i)
+
+        # 3. next batch in: its input all-to-all starts behind this step
+        has_next = self.enqueue_batch(dataloader_iter)
+        if has_next:
+            self._launch_input_dist(len(self.batches) - 1)
+
+        # 4. forward N (waits for N's rows)
+        t0 = time.perf_counter()
+        with torch.no_grad() if not training else contextlib.nullcontext():
+            losses, output = self._model_fwd(self.batches[0])
+        self.tracer.add("compute", f"fwd b{current.index}", current.index, t0, time.perf_counter())
+        self._record_fetches(current.index)
+
+        # 5. launch the ids all-to-all of N+k+1
+        if has_next:
+            self.wait_sparse_data_dist(self.contexts[-1])
+
+        if training:
+            # 6. backward: fused embedding updates (unpin N), dense all-reduce
+            t0 = time.perf_counter()
+            torch.sum(losses, dim=0).backward()
+            self.tracer.add("compute", f"bwd b{current.index}", current.index, t0, time.perf_counter())
+            # 7. dense optimizer
+            t0 = time.perf_counter()
+            self._optimizer.step()
+            self.tracer.add("compute", f"opt b{current.index}", current.index, t0, time.perf_counter())
+
+        self._prefetched.discard(current.index)
+        self.dequeue_batch()
+        if not self.batches:
+            self._check_drained()
+        return output
+
+    def _record_fetches(self, index: int) -> None:
+        if not self.tracer.enabled:
+            return
+        for module in self._proactive_modules:
+            records = module.proactive_stats.records
+            if records and records[-1].index == index:
+                r = records[-1]
+                if r.fetch_started_at is not None and r.fetch_completed_at is not None and r.bytes_moved:
+                    self.tracer.add("fetch", f"fetch b{index}", index, r.fetch_started_at, r.fetch_completed_at)
+                if r.stall_s > 0:
+                    self.tracer.add("stall", f"stall b{index}", index, r.lookup_started_at, r.lookup_started_at + r.stall_s)
+
+    def _check_drained(self) -> None:
+        for module in self._proactive_modules:
+            module.fetch_engine.drain()
+            if module._proactive_options.debug_checks:
+                module.check_invariants(expect_drained=True)
+
+    def reset(self) -> None:
+        """Abandons in-flight batches (e.g. a loop stopped early): their rows are unpinned
+        and their fetches completed, so nothing leaks and the cache stays consistent."""
+        for context in self.contexts:
+            for module_ctx in list(getattr(context, "module_contexts_post_prefetch", {}).values()):
+                fetch = getattr(module_ctx, "fetch", None)
+                if fetch is None:
+                    continue
+                fetch.ticket._engine.wait(fetch.ticket)
+                for group in fetch.groups:
+                    for tb in group.table_batches:
+                        tb.table.release(tb.plan)
+                module_ctx.fetch = None
+        # Input all-to-alls already launched must complete on every rank before we forget them.
+        for context in self.contexts:
+            for request in list(context.input_dist_tensors_requests.values()):
+                request.wait()
+        self._prefetched.clear()
+        super().reset()
+        self._check_drained()
+
+    @property
+    def in_flight(self) -> int:
+        """Batches currently held by the pipeline (at most ``prefetch_depth + 2``)."""
+        return len(self.batches)
+
+    def stats(self) -> Dict[str, float]:
+        """Cumulative fetch statistics summed over this rank's proactive modules."""
+        total: Dict[str, float] = {}
+        for module in self._proactive_modules:
+            for key, value in module.proactive_stats.snapshot().items():
+                total[key] = total.get(key, 0) + value
+        if total.get("rows_requested"):
+            total["hit_rate"] = total["hits"] / total["rows_requested"]
+        return total

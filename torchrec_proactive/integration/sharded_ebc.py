@@ -1,0 +1,331 @@
+"""``ShardedEmbeddingBagCollection`` whose cached tables are served from tiered stores.
+
+Only TorchRec's documented hooks are overridden:
+
+* ``prefetch(dist_input, forward_stream, ctx)`` - called by the pipeline as soon as a batch's
+  ids are local (after its input all-to-all): plans every proactive table and issues one
+  fetch ticket for the batch. Returns at once; the copy runs behind the caller.
+* ``compute_and_output_dist(ctx, dist_input)`` - waits for that batch's ticket (the stall),
+  binds the planned batch to the kernels, then runs TorchRec's lookup + output all-to-all.
+* ``create_context`` - a context that carries the batch's fetch from one hook to the other.
+
+and one construction step, ``_create_lookups``, to put :class:`ProactiveEmbeddingBag` where
+TorchRec put its fused kernel for the cached tables (see the comment there).
+
+Tables planned with other kernels stay stock; so do data-parallel tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+import torch
+from torch import nn
+from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
+from torchrec.distributed.types import LazyAwaitable, ShardingEnv
+
+from ..fetch import FetchEngine, Ticket, make_transport
+from ..store import NotPrefetchedError
+from .embedding_kernel import PlannedGroup, ProactiveEmbeddingBag
+from .options import ProactiveOptions
+
+
+def is_proactive_group(config: Any) -> bool:
+    """A group is ours when every table in it is a UVM-cached table marked for prefetch.
+
+    TorchRec already groups such tables apart from others (``prefetch_pipeline`` is part of
+    its grouping key), so a mixed group cannot occur.
+    """
+    tables = config.embedding_tables
+    return bool(tables) and all(
+        t.compute_kernel == EmbeddingComputeKernel.FUSED_UVM_CACHING
+        and bool((t.fused_params or {}).get("prefetch_pipeline", False))
+        for t in tables
+    )
+
+
+@dataclass
+class BatchFetch:
+    """One batch's fetch: the ticket and the planned groups it makes resident."""
+
+    ticket: Ticket
+    groups: List[PlannedGroup]
+    index: Optional[int] = None
+
+
+@dataclass
+class ProactiveEBCContext(EmbeddingBagCollectionContext):
+    fetch: Optional[BatchFetch] = None
+
+
+@dataclass
+class BatchRecord:
+    """Per-batch instrumentation (kept only while ``ProactiveStats.keep_records``)."""
+
+    index: Optional[int]
+    stall_s: float
+    rows_requested: int
+    hits: int
+    rows_fetched: int
+    rows_written_back: int
+    bytes_moved: int
+    fetch_issued_at: float
+    fetch_started_at: Optional[float]
+    fetch_completed_at: Optional[float]
+    lookup_started_at: float
+
+
+@dataclass
+class ProactiveStats:
+    """Cumulative counters (always on: a few integer adds per batch) and optional records."""
+
+    batches: int = 0
+    stall_s: float = 0.0
+    rows_requested: int = 0
+    hits: int = 0
+    rows_fetched: int = 0
+    rows_written_back: int = 0
+    bytes_moved: int = 0
+    keep_records: bool = False
+    records: Deque[BatchRecord] = field(default_factory=lambda: deque(maxlen=100_000))
+
+    def hit_rate(self) -> float:
+        return self.hits / self.rows_requested if self.rows_requested else 1.0
+
+    def snapshot(self) -> Dict[str, float]:
+        return {
+            "batches": self.batches, "stall_s": self.stall_s, "rows_requested": self.rows_requested,
+            "hits": self.hits, "hit_rate": self.hit_rate(), "rows_fetched": self.rows_fetched,
+            "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
+        }
+
+    def reset(self) -> None:
+        keep = self.keep_records
+        self.__init__()  # type: ignore[misc]
+        self.keep_records = keep
+
+
+class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """A ``ShardedEmbeddingBagCollection`` with proactive cold-row fetching.
+
+    Made by :class:`ProactiveEmbeddingBagCollectionSharder`; users do not build it directly.
+    ``prefetch_depth`` is set by :class:`ProactiveTrainPipeline`; at depth 0 (the default,
+    and what a plain ``model(batch)`` call uses) rows are fetched at lookup time.
+    """
+
+    def __init__(self, *args: Any, proactive_options: Optional[ProactiveOptions] = None, **kwargs: Any) -> None:
+        # Needed by _create_lookups, which the parent constructor calls.
+        self._proactive_options = proactive_options or ProactiveOptions()
+        self._proactive_kernels: List[ProactiveEmbeddingBag] = []
+        self._user_fused_params: Dict[str, Dict[str, Any]] = {}
+        super().__init__(*args, **kwargs)
+        device = self._device or torch.device("cpu")
+        self._fetch_engine = FetchEngine(make_transport(device, self._proactive_options.link))
+        for kernel in self._proactive_kernels:
+            kernel.reactive_engine = self._fetch_engine
+        self.prefetch_depth = 0
+        self.proactive_stats = ProactiveStats()
+        self.register_load_state_dict_pre_hook(lambda *a, **k: self.flush_cache())
+        self.register_load_state_dict_post_hook(lambda *a, **k: self.invalidate_cache())
+
+    # ------------------------------------------------------------------ construction
+    def _create_lookups(self) -> None:
+        super()._create_lookups()
+        # TorchRec has no public hook to choose the kernel class of a lookup group, so the
+        # stock fused kernel of each proactive group is replaced here, right after the
+        # lookups are built and before the fused optimizers and state-dict views are
+        # collected from them. The replacement takes over the stock kernel's host weight
+        # storage (same initialisation, no second copy) and the stock kernel is dropped.
+        for lookup, sharding in zip(self._lookups, self._embedding_shardings):
+            if isinstance(sharding, DpPooledEmbeddingSharding):
+                continue
+            modules = lookup._emb_modules  # noqa: SLF001 - see comment above
+            for g, config in enumerate(lookup.grouped_configs):
+                if not is_proactive_group(config):
+                    continue
+                stock = modules[g]
+                if not isinstance(stock, BatchedFusedEmbeddingBag):
+                    raise NotImplementedError(
+                        f"tables {config.table_names()}: proactive caching needs the fused kernel, "
+                        f"TorchRec built {type(stock).__name__}"
+                    )
+                user_fused = self._user_fused_params[config.embedding_tables[0].name]
+                kernel = ProactiveEmbeddingBag.from_stock(
+                    stock, self._proactive_options, user_fused, pg=stock._pg, device=self._device,
+                )
+                modules[g] = kernel
+                self._proactive_kernels.append(kernel)
+
+    def create_embedding_bag_sharding(  # type: ignore[override]
+        self,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+    ) -> Any:
+        # The stock fused kernel TorchRec builds for a proactive group only lends us its
+        # host weight storage. Build it with plain SGD (no optimizer state to allocate, and
+        # supported on every FBGEMM backend, unlike e.g. Adam on CPU) and remember the
+        # user's optimizer per table for ProactiveEmbeddingBag. (TorchRec calls this
+        # classmethod through the instance, which is what lets us keep per-module state.)
+        infos = []
+        for info in sharding_infos:
+            fused = dict(info.fused_params or {})
+            if (
+                info.param_sharding.compute_kernel == EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+                and fused.get("prefetch_pipeline", False)
+            ):
+                self._user_fused_params[info.embedding_config.name] = dict(fused)
+                fused["optimizer"] = EmbOptimType.EXACT_SGD
+                info = dataclasses.replace(info, fused_params=fused)
+            infos.append(info)
+        return ShardedEmbeddingBagCollection.create_embedding_bag_sharding.__func__(  # type: ignore[attr-defined]
+            type(self), infos, env, device, permute_embeddings=permute_embeddings,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+    def create_context(self) -> ProactiveEBCContext:
+        return ProactiveEBCContext()
+
+    # ------------------------------------------------------------------ hooks
+    def prefetch(
+        self,
+        dist_input: KJTList,
+        forward_stream: Optional[torch.Stream] = None,
+        ctx: Optional[EmbeddingBagCollectionContext] = None,
+    ) -> None:
+        """Plans the batch on every proactive table and issues its fetch (non-blocking)."""
+        if ctx is None:
+            raise ValueError("ProactiveShardedEmbeddingBagCollection.prefetch needs the batch context")
+        ctx.fetch = self._issue(dist_input, getattr(ctx, "batch_index", None))  # type: ignore[attr-defined]
+
+    def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
+        fetch: Optional[BatchFetch] = getattr(ctx, "fetch", None)
+        if fetch is None and self._proactive_kernels:
+            if self.prefetch_depth != 0:
+                raise NotPrefetchedError(
+                    f"{self._module_fqn or 'embedding module'}: batch was not prefetched but "
+                    f"prefetch_depth={self.prefetch_depth}; only the reactive mode (depth 0) "
+                    f"fetches at lookup time"
+                )
+            fetch = self._issue(input, getattr(ctx, "batch_index", None))
+        if fetch is not None:
+            ctx.fetch = None  # type: ignore[attr-defined]
+            lookup_started = time.perf_counter()
+            stall = self._fetch_engine.wait(fetch.ticket)
+            self._account(fetch, stall, lookup_started)
+            for group in fetch.groups:
+                group.kernel.bind(group)
+        out = super().compute_and_output_dist(ctx, input)
+        if self._proactive_options.debug_checks:
+            self.check_invariants()
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _issue(self, dist_input: KJTList, index: Optional[int]) -> Optional[BatchFetch]:
+        if not self._proactive_kernels:
+            return None
+        groups: List[PlannedGroup] = []
+        try:
+            for lookup, features in zip(self._lookups, dist_input):
+                kernels = [m for m in getattr(lookup, "_emb_modules", []) if isinstance(m, ProactiveEmbeddingBag)]
+                if not kernels:
+                    continue
+                splits = [c.num_features() for c in lookup.grouped_configs]
+                for module, group_features in zip(lookup._emb_modules, features.split(splits)):
+                    if isinstance(module, ProactiveEmbeddingBag):
+                        groups.append(module.plan_batch(group_features))
+        except Exception:
+            for group in groups:  # undo the pins of the groups that were planned
+                for tb in group.table_batches:
+                    tb.table.transfer(tb.plan)
+                    tb.table.release(tb.plan)
+            raise
+        plans = [p for g in groups for p in g.plans]
+        ticket = self._fetch_engine.issue(plans, tag=index)
+        return BatchFetch(ticket, groups, index)
+
+    def _account(self, fetch: BatchFetch, stall: float, lookup_started: float) -> None:
+        st = self.proactive_stats
+        requested = hits = written_back = 0
+        for group in fetch.groups:
+            for tb in group.table_batches:
+                requested += int(tb.plan.rows.numel())
+                hits += tb.plan.num_hits
+                written_back += int(tb.plan.writeback_rows.numel())
+        st.batches += 1
+        st.stall_s += stall
+        st.rows_requested += requested
+        st.hits += hits
+        st.rows_fetched += fetch.ticket.num_rows
+        st.rows_written_back += written_back
+        st.bytes_moved += fetch.ticket.num_bytes
+        if st.keep_records:
+            t = fetch.ticket
+            st.records.append(
+                BatchRecord(fetch.index, stall, requested, hits, t.num_rows, written_back, t.num_bytes,
+                            t.issued_at, t.started_at, t.completed_at, lookup_started)
+            )
+
+    # ------------------------------------------------------------------ public helpers
+    @property
+    def fetch_engine(self) -> FetchEngine:
+        return self._fetch_engine
+
+    @property
+    def proactive_kernels(self) -> List[ProactiveEmbeddingBag]:
+        return list(self._proactive_kernels)
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """Depth ``k`` of the pipeline driving this module (0 = reactive)."""
+        if depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {depth}")
+        self.prefetch_depth = depth
+        for kernel in self._proactive_kernels:
+            kernel.prefetch_depth = depth
+
+    def flush_cache(self) -> None:
+        """Writes dirty cached rows back to the host tier (the state-dict storage)."""
+        self._fetch_engine.drain()
+        for kernel in self._proactive_kernels:
+            kernel.flush()
+
+    def invalidate_cache(self) -> None:
+        """Drops cached rows (after the host tier was loaded); needs no batch in flight."""
+        self._fetch_engine.drain()
+        for kernel in self._proactive_kernels:
+            kernel.invalidate()
+
+    def check_invariants(self, expect_drained: bool = False) -> None:
+        for kernel in self._proactive_kernels:
+            kernel.check_invariants(expect_drained)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+        self.flush_cache()
+        return super().state_dict(*args, **kwargs)
+
+    def named_tables(self) -> Dict[str, Any]:
+        """``{table shard name: TieredTable}`` of this rank's proactive tables."""
+        out: Dict[str, Any] = {}
+        for kernel in self._proactive_kernels:
+            for name, table in kernel.named_tables():
+                key = name
+                n = 1
+                while key in out:
+                    key = f"{name}#{n}"
+                    n += 1
+                out[key] = table
+        return out

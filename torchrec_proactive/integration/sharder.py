@@ -1,0 +1,123 @@
+"""The sharder users swap in for TorchRec's ``EmbeddingBagCollectionSharder``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import CacheParams, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from ..fetch import LinkModel
+from .options import ProactiveOptions
+from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
+
+_CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+
+
+class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards ``EmbeddingBagCollection`` so that UVM-cached tables are fetched proactively.
+
+    Drop-in for ``EmbeddingBagCollectionSharder``: it takes the same ``fused_params``
+    (``optimizer``, ``learning_rate``, ``eps``, ...) and the same plans. Tables whose plan
+    says ``fused_uvm_caching`` are served from a host tier + device cache whose size comes
+    from the plan's ``CacheParams(load_factor=...)`` (or ``cache_load_factor`` here); every
+    other table stays stock TorchRec. On CPU, where TorchRec itself has no UVM, the planner
+    is offered ``fused_uvm_caching`` by this sharder so cached tables can be planned too.
+
+    Args:
+        fused_params: as for ``EmbeddingBagCollectionSharder``.
+        cache_load_factor: default cache size as a fraction of each local shard's rows.
+        eviction_policy: ``"lru"`` or ``"lfu"`` when the plan's ``CacheParams`` leaves it unset.
+        num_slots: per-table cache sizes in rows (override any load factor).
+        hot_rows: per-table global row ids kept permanently cached.
+        link: on CPU, an emulated host-to-device link (bandwidth, latency) so the cost of
+            cold fetches is visible; ``None`` copies in-process. Ignored on CUDA.
+        debug_checks: verify store invariants after each lookup (tests, debugging).
+    """
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        *,
+        cache_load_factor: float = 0.2,
+        eviction_policy: str = "lru",
+        num_slots: Optional[Mapping[str, int]] = None,
+        hot_rows: Optional[Mapping[str, torch.Tensor]] = None,
+        link: Optional[LinkModel] = None,
+        debug_checks: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
+        self.options = ProactiveOptions(
+            cache_load_factor=cache_load_factor,
+            num_slots=dict(num_slots or {}),
+            eviction_policy=eviction_policy,
+            hot_rows=dict(hot_rows or {}),
+            link=link,
+            debug_checks=debug_checks,
+        )
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        if sharding_type != ShardingType.DATA_PARALLEL.value and _CACHED not in kernels:
+            kernels.append(_CACHED)
+        return kernels
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> ProactiveShardedEmbeddingBagCollection:
+        return ProactiveShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=self._mark_cached_tables(module, params),
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+            proactive_options=self.options,
+        )
+
+    @property
+    def sharded_module_type(self) -> type:  # type: ignore[override]
+        return ProactiveShardedEmbeddingBagCollection
+
+    def _mark_cached_tables(
+        self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding]
+    ) -> Dict[str, ParameterSharding]:
+        """Copies the plan, turning on ``CacheParams.prefetch_pipeline`` for cached tables.
+
+        That flag is TorchRec's own marker for "this cache is filled ahead of the lookup"; it
+        also keeps these tables in their own lookup groups. The user's plan is not mutated.
+        """
+        known = {c.name for c in module.embedding_bag_configs()}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(
+                f"sharding plan names tables {unknown} that the EmbeddingBagCollection does not have "
+                f"(it has {sorted(known)})"
+            )
+        out: Dict[str, ParameterSharding] = {}
+        for name, ps in params.items():
+            if ps.compute_kernel == _CACHED:
+                cache = ps.cache_params or CacheParams()
+                cache = dataclasses.replace(
+                    cache,
+                    prefetch_pipeline=True,
+                    load_factor=cache.load_factor if cache.load_factor is not None else self.options.cache_load_factor,
+                )
+                ps = dataclasses.replace(ps, cache_params=cache)
+            elif ps.compute_kernel not in {k.value for k in EmbeddingComputeKernel}:
+                raise ValueError(f"table '{name}': unknown compute kernel {ps.compute_kernel!r}")
+            out[name] = ps
+        return out

@@ -1,0 +1,100 @@
+"""Run a function on N local ranks (processes) with a gloo/NCCL process group.
+
+Used by the tests and the benchmark to put several configurations side by side in one run.
+A rank that raises or dies makes the whole launch fail fast with that rank's traceback; no
+launch outlives ``timeout_s``. Multi-node jobs use torchrun / torchx instead.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died, or the launch ran past its timeout."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(rank: int, world_size: int, port: int, backend: Optional[str] = None,
+                       timeout_s: float = 120.0) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs: Dict[str, Any],
+           results: "mp.Queue[Any]", threads: int, pg_timeout_s: float) -> None:
+    torch.set_num_threads(threads)
+    try:
+        init_process_group(rank, world_size, port, timeout_s=pg_timeout_s)
+        out = fn(rank=rank, world_size=world_size, **kwargs)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # reported to the parent, which fails the launch
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 600.0,
+              threads_per_rank: int = 1, pg_timeout_s: float = 120.0, **kwargs: Any) -> List[Any]:
+    """Runs ``fn(rank=, world_size=, **kwargs)`` on ``world_size`` spawned ranks; returns their results.
+
+    ``fn`` must be importable (module level). Raises :class:`RankFailure` naming the first
+    rank that failed, or died without reporting, or that did not finish in ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    results: "mp.Queue[Any]" = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, kwargs, results, threads_per_rank, pg_timeout_s),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    r = dead[0]
+                    raise RankFailure(f"rank {r} died with exit code {procs[r].exitcode} before reporting a result")
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s:.0f} s")
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if out and len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [out[r] for r in range(world_size)]

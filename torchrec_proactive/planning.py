@@ -1,0 +1,136 @@
+"""Building sharding plans and sharded models the same way for every run (example, bench, tests).
+
+``sharding`` names one of TorchRec's sharding types for all tables (``table_wise``,
+``row_wise``, ``column_wise``, ``table_row_wise``, ``data_parallel``), a per-table mapping of
+them, or ``auto`` for TorchRec's planner. ``kernel`` is the compute kernel of every
+non-data-parallel table; ``fused_uvm_caching`` makes a table proactive under our sharder.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+KERNELS = ("fused", "fused_uvm_caching", "dense")
+
+
+def _generator(sharding: str, table_index: int, world_size: int, local_size: int) -> Callable[..., Any]:
+    if sharding == "table_wise":
+        return table_wise(rank=table_index % world_size)
+    if sharding == "row_wise":
+        return row_wise()
+    if sharding == "column_wise":
+        return column_wise(ranks=list(range(world_size)))
+    if sharding == "table_row_wise":
+        return table_row_wise(host_index=(table_index % max(world_size // local_size, 1)))
+    if sharding == "data_parallel":
+        return data_parallel()
+    raise ValueError(f"unknown sharding type {sharding!r}; choose from {SHARDING_TYPES} or 'auto'")
+
+
+def find_ebcs(model: nn.Module) -> Dict[str, EmbeddingBagCollection]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+
+
+def build_plan(
+    model: nn.Module,
+    sharder: EmbeddingBagCollectionSharder,
+    sharding: Union[str, Mapping[str, str]],
+    kernel: str = "fused_uvm_caching",
+    world_size: Optional[int] = None,
+    local_size: Optional[int] = None,
+    device_type: str = "cpu",
+    cache_load_factor: Optional[float] = None,
+    pg: Optional[dist.ProcessGroup] = None,
+) -> ShardingPlan:
+    """A plan for every ``EmbeddingBagCollection`` in ``model``.
+
+    Hand-built (``construct_module_sharding_plan``) for explicit sharding types; TorchRec's
+    planner for ``"auto"`` (constrained to ``kernel`` and the cache load factor).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown compute kernel {kernel!r}; choose from {KERNELS}")
+    world_size = world_size or dist.get_world_size()
+    local_size = local_size or world_size
+    ebcs = find_ebcs(model)
+    if not ebcs:
+        raise ValueError("the model has no EmbeddingBagCollection to shard")
+    cache = CacheParams(load_factor=cache_load_factor) if cache_load_factor is not None else None
+    if sharding == "auto":
+        constraints = {
+            cfg.name: ParameterConstraints(compute_kernels=[kernel], cache_params=cache)
+            for ebc in ebcs.values() for cfg in ebc.embedding_bag_configs()
+        }
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world_size, local_world_size=local_size, compute_device=device_type),
+            constraints=constraints,
+        )
+        return planner.collective_plan(model, [sharder], pg or dist.GroupMember.WORLD)
+    plan: Dict[str, Any] = {}
+    for fqn, ebc in ebcs.items():
+        configs = ebc.embedding_bag_configs()
+        names = [c.name for c in configs]
+        if isinstance(sharding, Mapping):
+            unknown = sorted(set(sharding) - set(names))
+            if unknown:
+                raise ValueError(f"sharding plan names unknown tables {unknown}; the model has {names}")
+            per_table = {n: sharding.get(n, "table_wise") for n in names}
+        else:
+            per_table = {n: sharding for n in names}
+        gens = {n: _generator(per_table[n], i, world_size, local_size) for i, n in enumerate(names)}
+        module_plan = construct_module_sharding_plan(
+            ebc, per_param_sharding=gens, sharder=sharder, local_size=local_size,
+            world_size=world_size, device_type=device_type,
+        )
+        for name, ps in module_plan.items():
+            if per_table[name] != "data_parallel":
+                ps.compute_kernel = kernel
+                if cache is not None and kernel == "fused_uvm_caching":
+                    ps.cache_params = cache
+        plan[fqn] = module_plan
+    return ShardingPlan(plan)
+
+
+def shard_model(
+    model: nn.Module,
+    sharder: EmbeddingBagCollectionSharder,
+    plan: ShardingPlan,
+    device: torch.device,
+    pg: Optional[dist.ProcessGroup] = None,
+) -> DistributedModelParallel:
+    """Wraps ``model`` in ``DistributedModelParallel`` with ``plan`` (weights not initialised again)."""
+    return DistributedModelParallel(
+        module=model,
+        env=ShardingEnv.from_process_group(pg or dist.GroupMember.WORLD),
+        device=device,
+        plan=plan,
+        sharders=[sharder],
+        init_data_parallel=True,
+    )
+
+
+def combined_optimizer(
+    dmp: DistributedModelParallel, dense_factory: Callable[[List[torch.Tensor]], torch.optim.Optimizer]
+) -> CombinedOptimizer:
+    """Fused (embedding) optimizer + a dense optimizer over every non-fused parameter."""
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), dense_factory)
+    return CombinedOptimizer([dmp.fused_optimizer, dense])
