@@ -98,3 +98,61 @@ def train_and_compare(rank: int, world_size: int, sharding: Any, optimizer: str,
         result["same_keys_as_stock"] = sorted(ref_params) == sorted(base["params"])
     result["stats"] = {k: v["stats"] for k, v in per_depth.items()}
     return result
+
+
+def _tiny_slots(tables, all_batches, depth: int) -> Dict[str, int]:
+    """(depth + 1) x the largest number of distinct rows one global batch asks of each table."""
+    need = {}
+    for t in tables:
+        worst = 0
+        for step_batches in zip(*all_batches):
+            ids = torch.cat([b.sparse_features[f].values() for b in step_batches for f in t.feature_names])
+            worst = max(worst, int(torch.unique(ids).numel()))
+        need[t.name] = max(1, (depth + 1) * worst)
+    return need
+
+
+def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], depths: List[int],
+           caches: List[str], steps: int = 5, batch_size: int = 16, rows: int = 2000) -> Dict[str, Any]:
+    """Every optimizer x cache size x depth against stock TorchRec (where it runs on CPU)."""
+    tables = make_tables(4, rows=rows, dim=8, shared_feature=True)
+    torch.manual_seed(123)
+    seed_state = SparseModel(tables).state_dict()
+    all_batches = [[make_batch(tables, batch_size, seed=1000 * r + i, max_len=3) for i in range(steps)]
+                   for r in range(world_size)]
+    batches = all_batches[rank]
+    report: Dict[str, Any] = {"rank": rank, "runs": {}}
+    for optimizer in optimizers:
+        fused = FUSED[optimizer]
+        ref = None
+        if optimizer != "adam":  # FBGEMM's CPU TBE has no Adam: stock TorchRec cannot run it here
+            dmp, opt = _build(EmbeddingBagCollectionSharder(fused_params=dict(fused)), sharding, "fused", tables, seed_state)
+            ref = (_run(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches), _params(dmp))
+        first = None
+        for cache in caches:
+            for k in depths:
+                if cache == "tiny":
+                    options = {"num_slots": _tiny_slots(tables, all_batches, k)}
+                elif cache == "10pct":
+                    tiny = _tiny_slots(tables, all_batches, k)
+                    options = {"num_slots": {n: max(v, rows // 10) for n, v in tiny.items()}}
+                else:
+                    options = {"cache_load_factor": 1.0}
+                sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), debug_checks=True, **options)
+                dmp, opt = _build(sharder, sharding, "fused_uvm_caching", tables, seed_state)
+                pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=k)
+                out = _run(pipe, batches)
+                params = _params(dmp)
+                dmp.module.ebc.check_invariants(expect_drained=True)
+                run = {"n_out": len(out), "hit_rate": pipe.stats().get("hit_rate", 1.0)}
+                if first is None:
+                    first = (out, params)
+                run["bitwise_equal_to_first"] = all(torch.equal(a, b) for a, b in zip(out, first[0])) and all(
+                    torch.equal(params[n], first[1][n]) for n in first[1]
+                )
+                if ref is not None:
+                    run["max_out_diff_vs_stock"] = max(float((a - b).abs().max()) for a, b in zip(out, ref[0]))
+                    run["max_param_diff_vs_stock"] = max(float((params[n] - ref[1][n]).abs().max()) for n in ref[1])
+                    run["same_keys_as_stock"] = sorted(params) == sorted(ref[1])
+                report["runs"][f"{optimizer}/{cache}/k{k}"] = run
+    return report

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -211,14 +211,28 @@ def _mean_step(events: Sequence[TraceEvent]) -> Optional[float]:
     return (starts[-1][1] - starts[0][1]) / (len(starts) - 1)
 
 
+def _step_end(events: Sequence[TraceEvent], batch: int) -> float:
+    """End of the training step of ``batch``: last end on the step lanes (any lane if none)."""
+    pool = [e for e in events if e.batch == batch and e.lane in _STEP_LANES] or [
+        e for e in events if e.batch == batch
+    ]
+    return max(e.end_s for e in pool)
+
+
 def _skip_warmup(events: Sequence[TraceEvent], warmup_batches: int) -> List[TraceEvent]:
+    """Events of one rank after the step of its ``warmup_batches``-th batch ended, clipped to
+    start there (work of later batches that overlapped the warm-up is dropped with it)."""
     if warmup_batches <= 0:
         return list(events)
-    batches = sorted({b for b, _ in _step_starts(events)})
+    batches = [b for b, _ in _step_starts(events)]
     if warmup_batches >= len(batches):
         return []
-    first_kept = batches[warmup_batches]
-    return [e for e in events if e.batch >= first_kept]
+    cut = _step_end(events, batches[warmup_batches - 1])
+    out: List[TraceEvent] = []
+    for e in events:
+        if e.end_s > cut or (e.end_s == cut and e.start_s == cut):
+            out.append(e if e.start_s >= cut else replace(e, start_s=cut))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +277,8 @@ def summarize(events: Sequence[EventLike], *, warmup_batches: int = 0) -> Dict[s
     * ``mean_step_s`` - mean distance between first compute starts of consecutive batches,
       averaged over ranks (``None`` with fewer than two batches).
 
-    ``warmup_batches`` drops the events of the first that many batches (by compute order).
+    ``warmup_batches`` drops, per rank, everything before the end of the step of the
+    ``warmup_batches``-th batch (by compute order); events straddling that point are clipped.
     ``per_rank`` holds the same figures for each rank.
     """
     if isinstance(warmup_batches, bool) or not isinstance(warmup_batches, int) or warmup_batches < 0:
@@ -403,14 +418,10 @@ def _window(
     skip = _default_skip(len(batches), n) if skip_batches is None else min(skip_batches, len(batches) - 1)
     chosen = batches[skip:skip + n]
 
-    def step_end(b: int) -> float:
-        pool = [e for e in evs if e.batch == b and e.lane in _STEP_LANES] or [e for e in evs if e.batch == b]
-        return max(e.end_s for e in pool)
-
     # The window opens where the previous batch's step ended (so the reactive data dist and
     # fetch of the first chosen batch are visible) and closes where the last chosen step ends.
-    t0 = step_end(batches[skip - 1]) if skip > 0 else min(e.start_s for e in evs)
-    t1 = step_end(chosen[-1])
+    t0 = _step_end(evs, batches[skip - 1]) if skip > 0 else min(e.start_s for e in evs)
+    t1 = _step_end(evs, chosen[-1])
     return t0, max(t1, t0 + 1e-9), skip
 
 
@@ -431,7 +442,7 @@ def render_timeline_png(
     rank 0 by default, every rank with ``ranks="all"``), bars coloured by ``batch % 10``
     (tab10) and labelled ``b<batch>`` when wide enough. Each subplot states the mean step
     time and the total stall (exposed fetch, see :func:`summarize`) of the displayed ranks,
-    computed on the whole trace minus the warm-up batches.
+    computed on the whole trace minus the skipped warm-up batches.
 
     With ``max_batches`` the picture shows that many steady-state steps after skipping
     ``skip_batches`` warm-up batches (default: max(2, 20 %) of them, never leaving fewer than
@@ -439,6 +450,7 @@ def render_timeline_png(
     """
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -483,17 +495,27 @@ def render_timeline_png(
         t0, t1, warm = _window(evs, max_batches, skip_batches)
         span_ms = (t1 - t0) * 1e3
         x_max = max(x_max, span_ms)
+        ys: List[int] = []
+        lefts: List[float] = []
+        widths: List[float] = []
+        colors: List[Any] = []
         for e in evs:
             s, t = max(e.start_s, t0), min(e.end_s, t1)
             if t < s or (t == s and e.duration_s > 0):
                 continue
             left, width = (s - t0) * 1e3, (t - s) * 1e3
             y = row_of[(e.rank, e.lane)]
-            ax.barh(y, width, left=left, height=0.72, color=cmap(e.batch % cmap.N),
-                    edgecolor="black", linewidth=0.4)
+            ys.append(y)
+            lefts.append(left)
+            widths.append(width)
+            colors.append(cmap(e.batch % cmap.N))
             legend_batches[e.batch] = None
             if width >= 0.035 * span_ms:
                 ax.text(left + width / 2, y, f"b{e.batch}", ha="center", va="center", fontsize=7, clip_on=True)
+        if ys:  # one collection (not one patch per bar): fast even for long traces drawn whole
+            h = 0.36
+            verts = [[(l, y - h), (l + w, y - h), (l + w, y + h), (l, y + h)] for y, l, w in zip(ys, lefts, widths)]
+            ax.add_collection(PolyCollection(verts, facecolors=colors, edgecolors="black", linewidths=0.4))
         summ = summarize(evs, warmup_batches=warm)
         step = summ["mean_step_s"]
         n_ranks = max(1, len(summ["ranks"]))

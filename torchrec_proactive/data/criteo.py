@@ -284,7 +284,9 @@ class RowRange:
     stop: int
 
 
-def split_rows(num_samples: Sequence[int], eval_fraction: float) -> Tuple[List[RowRange], List[RowRange]]:
+def split_rows(
+    num_samples: Sequence[int], eval_fraction: float
+) -> Tuple[List[RowRange], List[RowRange]]:
     """Temporal hold-out: the last ``round(total * eval_fraction)`` rows (at least 1) of the
     concatenated files are evaluation, everything before is training. The two lists cover
     every row exactly once and never overlap."""
@@ -395,8 +397,8 @@ def make_dataloaders(
     minimum = batch_size * world_size
     for split, parts in (("train", train_parts), ("eval", eval_parts)):
         rows = sum(p.stop - p.start for p in parts)
-        # Fewer rows would give some ranks no batch at all (and TorchRec's pipe miscounts
-        # batches when rows < world_size and drop_last=False).
+        # Fewer rows would give some ranks no batch at all (TorchRec's pipe even yields
+        # nothing on every rank when rows < world_size, whatever drop_last says).
         if rows < minimum:
             raise ValueError(
                 f"{split} split has {rows} rows, fewer than batch_size*world_size={minimum}; "

@@ -105,11 +105,14 @@ class SyntheticCriteoSpec:
         if not (isinstance(self.cardinality_scale, (int, float)) and self.cardinality_scale > 0
                 and math.isfinite(self.cardinality_scale)):  # fmt: skip
             raise ValueError(
-                f"cardinality_scale={self.cardinality_scale!r} is invalid: must be a finite number > 0"
+                f"cardinality_scale={self.cardinality_scale!r} is invalid: "
+                "must be a finite number > 0"
             )
         if not (isinstance(self.zipf_alpha, (int, float)) and self.zipf_alpha > 0
                 and math.isfinite(self.zipf_alpha)):  # fmt: skip
-            raise ValueError(f"zipf_alpha={self.zipf_alpha!r} is invalid: must be a finite number > 0")
+            raise ValueError(
+                f"zipf_alpha={self.zipf_alpha!r} is invalid: must be a finite number > 0"
+            )
         if self.max_cardinality is not None:
             _require_int("max_cardinality", self.max_cardinality, self.min_cardinality)
         if self.layout == "kaggle" and self.num_files != 1:
@@ -144,7 +147,7 @@ class SyntheticCriteoSpec:
         return out
 
     def file_names(self) -> List[str]:
-        """Kaggle: ``train.txt``; Terabyte: ``day_0`` .. ``day_{n-1}`` (no extension, as released)."""
+        """Kaggle: ``train.txt``; Terabyte: ``day_0`` .. ``day_{n-1}`` (no extension)."""
         if self.layout == "kaggle":
             return ["train.txt"]
         return [f"day_{i}" for i in range(self.num_files)]
@@ -309,7 +312,8 @@ def generate(
     bias = _calibrate_bias(spec, keys)
     cards = spec.cardinalities()
     paths: List[Path] = []
-    with tqdm(total=spec.num_samples, unit="rows", desc="synthetic criteo", disable=not progress) as bar:
+    bar = tqdm(total=spec.num_samples, unit="rows", desc="synthetic criteo", disable=not progress)
+    with bar:
         for file_idx, (name, rows) in enumerate(zip(spec.file_names(), spec.rows_per_file())):
             rng = np.random.default_rng(np.random.SeedSequence([spec.seed, 0xF11E, file_idx]))
             final = out / name
