@@ -121,7 +121,7 @@ def test_summarize_hand_made_overlap():
         TraceEvent("compute", "fwd b0", 0, 0.0, 10.0, 0),
         TraceEvent("fetch", "fetch b1", 1, 5.0, 15.0, 0),      # 5..10 under compute
         TraceEvent("output_comm", "a2a out b0", 0, 12.0, 14.0, 0),  # 12..14 under comm
-        TraceEvent("stall", "wait b1", 1, 10.0, 12.0, 0),      # waiting hides nothing
+        TraceEvent("wait", "wait b1", 1, 10.0, 12.0, 0),       # waiting hides nothing
         TraceEvent("fetch", "fetch b0", 0, 0.0, 4.0, 1),       # rank 1: fully exposed ...
         TraceEvent("compute", "fwd b0", 0, 20.0, 30.0, 1),     # ... compute of another rank never hides it
     ]
@@ -134,7 +134,11 @@ def test_summarize_hand_made_overlap():
     assert s["fetch_overlap_fraction"] == pytest.approx(0.5)
     assert s["stall_s"] == pytest.approx(7.0)
     assert s["busy_s"]["compute"] == pytest.approx(20.0)
-    assert s["lanes"] == ["fetch", "compute", "output_comm", "stall"]
+    assert s["lanes"] == ["fetch", "compute", "output_comm", "wait"]
+    # A measured `stall` lane (the pipeline's blocking waits) defines the exposed fetch.
+    measured = summarize(ev + [TraceEvent("stall", "stall b1", 1, 10.0, 11.0, 0)])
+    assert measured["stall_s"] == pytest.approx(1.0)
+    assert measured["fetch_overlap_fraction"] == pytest.approx(13.0 / 14.0)
     # two overlapping events of one lane count once
     s2 = summarize([TraceEvent("fetch", "a", 0, 0.0, 2.0), TraceEvent("fetch", "b", 1, 1.0, 3.0),
                     TraceEvent("compute", "c", 0, 0.0, 1.5)])

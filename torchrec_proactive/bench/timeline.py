@@ -273,7 +273,8 @@ def summarize(events: Sequence[EventLike], *, warmup_batches: int = 0) -> Dict[s
       any communication; not a ``stall``/``wait``/``idle`` lane) is busy.
     * ``fetch_overlap_fraction = fetch_overlap_s / fetch_busy_s`` in [0, 1] (0.0 when there is
       no fetch at all; check ``fetch_busy_s``).
-    * ``fetch_exposed_s`` (= ``stall_s``) - fetch time during which nothing else runs.
+    * ``fetch_exposed_s`` (= ``stall_s``) - fetch time during which nothing else runs; when a
+      ``stall`` lane (measured blocking waits) is present, its busy time instead.
     * ``mean_step_s`` - mean distance between first compute starts of consecutive batches,
       averaged over ranks (``None`` with fewer than two batches).
 
@@ -294,6 +295,13 @@ def summarize(events: Sequence[EventLike], *, warmup_batches: int = 0) -> Dict[s
     fetch_busy = float(sum(p["fetch_busy_s"] for p in per_rank.values()))
     overlap = float(sum(p["fetch_overlap_s"] for p in per_rank.values()))
     steps = [p["mean_step_s"] for p in per_rank.values() if p["mean_step_s"] is not None]
+    exposed = fetch_busy - overlap
+    if busy.get("stall", 0.0) > 0.0:
+        # The pipeline records how long each lookup actually blocked on its rows: that is
+        # the exposed fetch. (Inferring it from lane overlap would count the forward that
+        # contains the wait as hiding the fetch.)
+        exposed = min(busy["stall"], fetch_busy)
+        overlap = fetch_busy - exposed
     return {
         "num_events": len(kept),
         "ranks": ranks,
@@ -304,8 +312,8 @@ def summarize(events: Sequence[EventLike], *, warmup_batches: int = 0) -> Dict[s
         "fetch_busy_s": fetch_busy,
         "fetch_overlap_s": overlap,
         "fetch_overlap_fraction": overlap / fetch_busy if fetch_busy > 0 else 0.0,
-        "fetch_exposed_s": fetch_busy - overlap,
-        "stall_s": fetch_busy - overlap,
+        "fetch_exposed_s": exposed,
+        "stall_s": exposed,
         "mean_step_s": (sum(steps) / len(steps)) if steps else None,
         "per_rank": per_rank,
     }

@@ -44,7 +44,7 @@ class Ticket:
         self.tag = tag
         self.plans = plans
         self.num_bytes = sum(p.bytes_to_move for p in plans)
-        self.num_rows = sum(int(p.fill_rows.numel()) for p in plans)
+        self.num_rows = sum(p.num_fills for p in plans)
         self.issued_at = time.perf_counter()
         self.started_at: Optional[float] = None
         self.completed_at: Optional[float] = None

@@ -263,9 +263,10 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         requested = hits = written_back = 0
         for group in fetch.groups:
             for tb in group.table_batches:
-                requested += int(tb.plan.rows.numel())
-                hits += tb.plan.num_hits
-                written_back += int(tb.plan.writeback_rows.numel())
+                plan = tb.plan
+                requested += plan.num_rows
+                hits += plan.num_rows - plan.num_fills
+                written_back += plan.num_writebacks
         st.batches += 1
         st.stall_s += stall
         st.rows_requested += requested

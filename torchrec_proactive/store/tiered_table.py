@@ -53,15 +53,24 @@ class FetchPlan:
     writeback_rows: torch.Tensor
     writeback_slots: torch.Tensor
     released: bool = False
+    # Sizes as plain ints (the hot path reads them; tensor .numel() calls add up).
+    num_rows: int = -1
+    num_fills: int = -1
+    num_writebacks: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 0:
+            self.num_rows = int(self.rows.numel())
+            self.num_fills = int(self.fill_rows.numel())
+            self.num_writebacks = int(self.writeback_rows.numel())
 
     @property
     def num_hits(self) -> int:
-        return int(self.rows.numel() - self.fill_rows.numel())
+        return self.num_rows - self.num_fills
 
     @property
     def bytes_to_move(self) -> int:
-        per_row = self.table.row_bytes
-        return per_row * int(self.fill_rows.numel() + self.writeback_rows.numel())
+        return self.table.row_bytes * (self.num_fills + self.num_writebacks)
 
 
 @dataclass
@@ -143,7 +152,11 @@ class TieredTable:
                 raise InvalidInputError(
                     f"table '{name}': optimizer state '{key}' has shape {tuple(given.shape)}, expected {want}"
                 )
-            self.host_state[key] = given if given is not None else torch.zeros(want, dtype=torch.float32)
+            if given is None:
+                # Pinned on CUDA so the copy stream can move rows without a bounce buffer.
+                pin = self.device.type == "cuda"
+                given = torch.zeros(want, dtype=torch.float32, pin_memory=pin)
+            self.host_state[key] = given
         # Adam's bias correction counts steps per table; it is saved with the state.
         self.step = 0
         self._shard = _ShardInfo(name, row_offset, global_rows)
@@ -198,36 +211,40 @@ class TieredTable:
         self.validate_rows(rows)
         slots = self.row_to_slot[rows]
         hit = slots >= 0
-        fill_rows = rows[~hit]
-        n_miss = int(fill_rows.numel())
-        eligible = (self.pins == 0) & ~self.permanent
-        eligible[slots[hit]] = False  # the batch's own hits may not be evicted either
-        n_free = int(eligible.sum())
-        if n_miss > n_free:
-            self._raise_capacity(int(rows.numel()), n_miss, n_free, depth_hint)
+        n_miss = int(rows.numel()) - int(hit.sum())
+        if n_miss == 0:  # steady state of a warm cache: no victims to look for
+            fill_rows = victims = writeback_rows = writeback_slots = rows[:0]
+        else:
+            fill_rows = rows[~hit]
+            eligible = (self.pins == 0) & ~self.permanent
+            eligible[slots[hit]] = False  # the batch's own hits may not be evicted either
+            n_free = int(eligible.sum())
+            if n_miss > n_free:
+                self._raise_capacity(int(rows.numel()), n_miss, n_free, depth_hint)
 
-        victims = self.ranking.pick_victims(n_miss, eligible, self.slot_to_row)
-        victim_rows = self.slot_to_row[victims]
-        occupied = victim_rows >= 0
-        wb = occupied & self.dirty[victims]
-        writeback_slots, writeback_rows = victims[wb], victim_rows[wb]
-        self.row_to_slot[victim_rows[occupied]] = -1
-        self.slot_to_row[victims] = fill_rows
-        self.row_to_slot[fill_rows] = victims
-        # The victim's dirty bit now describes the incoming row, which is clean.
-        self.dirty[victims] = False
-        slots = slots.clone()
-        slots[~hit] = victims
+            victims = self.ranking.pick_victims(n_miss, eligible, self.slot_to_row)
+            victim_rows = self.slot_to_row[victims]
+            occupied = victim_rows >= 0
+            wb = occupied & self.dirty[victims]
+            writeback_slots, writeback_rows = victims[wb], victim_rows[wb]
+            self.row_to_slot[victim_rows[occupied]] = -1
+            self.slot_to_row[victims] = fill_rows
+            self.row_to_slot[fill_rows] = victims
+            # The victim's dirty bit now describes the incoming row, which is clean.
+            self.dirty[victims] = False
+            slots = slots.clone()
+            slots[~hit] = victims
         self.pins[slots] += 1
         self.ranking.touch(slots, rows)
         self._in_flight += 1
 
         plan = FetchPlan(self, rows, slots, fill_rows, victims, writeback_rows, writeback_slots)
+        plan.num_rows, plan.num_fills, plan.num_writebacks = int(rows.numel()), n_miss, int(writeback_rows.numel())
         st = self.stats
-        st.lookups_rows += int(rows.numel())
+        st.lookups_rows += plan.num_rows
         st.hits += plan.num_hits
         st.rows_fetched += n_miss
-        st.rows_written_back += int(writeback_rows.numel())
+        st.rows_written_back += plan.num_writebacks
         st.bytes_moved += plan.bytes_to_move
         return plan
 
@@ -262,12 +279,12 @@ class TieredTable:
 
         Order matters: dirty victims are written back before the misses overwrite their slots.
         """
-        if plan.writeback_slots.numel():
+        if plan.num_writebacks:
             wb_slots = plan.writeback_slots.to(self.device)
             self.host_weight[plan.writeback_rows] = self.cache_weight[wb_slots].to(self.host_weight.device)
             for k, host in self.host_state.items():
                 host[plan.writeback_rows] = self.cache_state[k][wb_slots].to(host.device)
-        if plan.fill_rows.numel():
+        if plan.num_fills:
             fill_slots = plan.fill_slots.to(self.device)
             self.cache_weight[fill_slots] = self.host_weight[plan.fill_rows].to(self.device)
             for k, host in self.host_state.items():
@@ -340,6 +357,14 @@ class TieredTable:
         self._load_hot_rows()
 
     def _load_hot_rows(self) -> None:
+        if self.num_slots >= self.num_rows and self.num_rows:
+            # A cache as large as the table holds every row from the start (row i in slot
+            # i), as a resident table would: no compulsory misses, no victim search.
+            rows = torch.arange(self.num_rows, dtype=torch.int64)
+            self.slot_to_row.copy_(rows)
+            self.row_to_slot.copy_(rows)
+            self.transfer(FetchPlan(self, rows, rows, rows, rows, rows[:0], rows[:0], released=True))
+            return
         if self._hot_rows is None or self._hot_rows.numel() == 0:
             return
         hot = self._hot_rows

@@ -1,0 +1,102 @@
+"""Per-rank runtime: device, seeds, output directory, logging, and the config check."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config.schema import Config
+from .compose import config_hash, diff, flatten
+
+
+class ConfigMismatchError(RuntimeError):
+    """Ranks were started with different configs."""
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this rank runs. Built after the process group exists."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    output_dir: Path  # this rank's own directory: <train.output_dir>/rank_<r>
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' is invalid: no CUDA device is available")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def make_env(cfg: Config) -> RankEnv:
+    """The env of this rank in the current (default) process group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    out = Path(cfg.train.output_dir) / f"rank_{rank}"
+    out.mkdir(parents=True, exist_ok=True)
+    return RankEnv(rank, world, local_rank, local_world, pick_device(cfg.train.device, local_rank), out)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup_logging(env: RankEnv, name: str = "torchrec_proactive") -> logging.Logger:
+    """Rank 0 logs to stderr and its file; other ranks only to their own file."""
+    logger = logging.getLogger(f"{name}.rank{env.rank}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter(f"%(asctime)s [rank {env.rank}] %(message)s", "%H:%M:%S")
+    fh = logging.FileHandler(env.output_dir / "train.log")
+    fh.setFormatter(fmt)
+    logger.addHandler(fh)
+    if env.is_main:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        logger.addHandler(sh)
+    return logger
+
+
+def check_same_config(cfg: Config, env: RankEnv) -> str:
+    """All-gathers each rank's config hash; fails on every rank, naming the first rank
+    whose config differs from rank 0's and the keys that differ. Returns the hash."""
+    mine = config_hash(cfg)
+    hashes: List[Any] = [None] * env.world_size
+    dist.all_gather_object(hashes, mine)
+    if all(h == hashes[0] for h in hashes):
+        return mine
+    # Rare path: gather the flattened configs to say what differs.
+    flats: List[Any] = [None] * env.world_size
+    dist.all_gather_object(flats, flatten(cfg))
+    bad = next(r for r, h in enumerate(hashes) if h != hashes[0])
+    changes: Dict[str, Any] = diff(flats[0], flats[bad])
+    detail = ", ".join(f"{k}: rank 0 has {a!r}, rank {bad} has {b!r}" for k, (a, b) in changes.items())
+    raise ConfigMismatchError(
+        f"rank {bad} was started with a different config than rank 0 (hash {hashes[bad]} vs "
+        f"{hashes[0]}): {detail}. Every rank must get identical overrides."
+    )

@@ -1,0 +1,262 @@
+"""The training loop: segments of steps between drain points, logging, evaluation,
+checkpoints, and the ``prefetch=auto`` warm-up.
+
+The loop hands the pipeline one *segment* of batches at a time (``islice`` of the epoch's
+iterator) and drives it until it drains. Segment ends are the only places where nothing
+is in flight, so they are where checkpoints are taken, evaluation runs and the depth may
+change: the end of the auto warm-up, every ``checkpoint_every`` steps, the end of an
+epoch and the end of training. Depth never changes the numerics, so neither does where
+the segments end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..config.schema import Config
+from .autodepth import DepthChoice, agree, cache_depth_limit, choose_depth
+from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .compose import config_hash, flatten
+from .data import Loaders
+from .env import RankEnv
+from .metrics import EvalMetrics, Window, run_pipeline
+
+
+@dataclass
+class Position:
+    """How far training got: steps done in total, and where in which epoch."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+
+@dataclass
+class Summary:
+    steps: int
+    depth: int
+    train_loss: float  # mean over the last log window of rank 0
+    steady: Dict[str, float]  # window after the first steps (see Trainer.steady_from)
+    evals: List[Dict[str, Any]] = field(default_factory=list)
+    depth_choice: Optional[Dict[str, Any]] = None
+    resumed_from: Optional[str] = None
+    last_checkpoint: Optional[str] = None
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: RankEnv, dmp: torch.nn.Module, optimizer: Any, pipeline: Any,
+                 data: Loaders, checkpointer: Optional[Checkpointer], log: logging.Logger) -> None:
+        self.cfg, self.env, self.dmp, self.optimizer = cfg, env, dmp, optimizer
+        self.pipeline, self.data, self.ckpt, self.log = pipeline, data, checkpointer, log
+        self.pos = Position()
+        self.epoch_np_state: Any = None  # numpy RNG at the start of the epoch (batch shuffling)
+        self.total = self._total_steps()
+        # Steady-state window: skip the first steps (lazy init, caches filling).
+        self.steady_from = min(self.pos.step + max(2, self.total // 10), self.total - 1)
+        self.window = Window(env.world_size, cfg.train.batch_size)
+        self.steady = Window(env.world_size, cfg.train.batch_size)
+        self._losses: List[float] = []
+        self._last_loss = float("nan")
+        self._metrics = open(env.output_dir / "metrics.jsonl", "a")
+        self.summary = Summary(0, pipeline.prefetch_depth, float("nan"), {})
+        self._bar: Any = None
+        self._auto_pending = False
+        self._warmup_start = 0
+        self._warm_marks: List[Any] = []
+
+    def _total_steps(self) -> int:
+        total = self.cfg.train.epochs * self.data.steps_per_epoch
+        return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
+
+    def _record(self, kind: str, **values: Any) -> None:
+        self._metrics.write(json.dumps({"kind": kind, **values}) + "\n")
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> None:
+        if self.ckpt is None or not self.cfg.train.resume:
+            return
+        path = self.ckpt.latest()
+        if path is None:
+            self.log.info("train.resume: no complete checkpoint in %s, starting from scratch", self.ckpt.directory)
+            return
+        state = self.ckpt.load(path, flatten(self.cfg), self.env.device)
+        self.dmp.load_state_dict(state["model"])
+        if len(self.optimizer.state) != len(state["optimizer"]["state"]):
+            # KeyedOptimizer loads only into initialised state (Adam's is created lazily).
+            self.optimizer.init_state()
+            self.optimizer.zero_grad()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.pos = Position(**state["position"])
+        self.epoch_np_state = state["epoch_np_state"]
+        set_rng_state(state["rng"])
+        self.steady_from = min(self.pos.step + max(2, (self.total - self.pos.step) // 10), self.total - 1)
+        self.summary.resumed_from = str(path)
+        self.log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.pos.step,
+                      self.pos.epoch, self.pos.batch_in_epoch)
+
+    def save(self) -> None:
+        if self.ckpt is None:
+            return
+        payload = {
+            "model": self.dmp.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "position": asdict(self.pos),
+            "epoch_np_state": self.epoch_np_state,
+            "rng": rng_state(),
+            "config_hash": config_hash(self.cfg),
+        }
+        extra = {"position": asdict(self.pos), "config": flatten(self.cfg)}
+        self.summary.last_checkpoint = str(self.ckpt.save(self.pos.step, payload, extra))
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> Summary:
+        cfg, pos = self.cfg, self.pos
+        self._bar = tqdm(total=self.total, initial=pos.step, unit="step", desc="train", dynamic_ncols=True,
+                         disable=not (self.env.is_main and cfg.train.progress_bar))
+        self._start_auto()
+        self.window.reset(pos.step, self.pipeline.stats())
+        self.steady.reset(pos.step, self.pipeline.stats())
+        steps_per_epoch = self.data.steps_per_epoch
+        while pos.step < self.total:
+            batches = self._epoch_batches()
+            while pos.batch_in_epoch < steps_per_epoch and pos.step < self.total:
+                n = self._segment_length()
+                done = run_pipeline(self.pipeline, itertools.islice(batches, n), self._after_step)
+                if done != n:
+                    raise RuntimeError(f"the training loader yielded {done} of {n} batches expected "
+                                       f"(epoch {pos.epoch}, batch {pos.batch_in_epoch})")
+                self._maybe_choose_depth()
+                if cfg.train.checkpoint_every and pos.step % cfg.train.checkpoint_every == 0 \
+                        and pos.batch_in_epoch < steps_per_epoch and pos.step < self.total:
+                    self.save()
+            if pos.batch_in_epoch == steps_per_epoch:
+                pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+            if cfg.train.eval:
+                self.evaluate()
+            self.save()
+        self._bar.close()
+        self.summary.steps = pos.step
+        self.summary.depth = self.pipeline.prefetch_depth
+        self.summary.train_loss = self._last_loss
+        self._metrics.close()
+        return self.summary
+
+    def _epoch_batches(self) -> Iterator[Any]:
+        """This epoch's batches from the current position. The loader's batch shuffling draws
+        from numpy's global RNG as batches are made, so replaying from the epoch's start
+        state and skipping the done batches restores it exactly."""
+        if self.pos.batch_in_epoch == 0 or self.epoch_np_state is None:
+            self.epoch_np_state = np.random.get_state()
+        else:
+            np.random.set_state(self.epoch_np_state)
+        batches = iter(self.data.train)
+        for _ in range(self.pos.batch_in_epoch):
+            next(batches)
+        return batches
+
+    def _segment_length(self) -> int:
+        pos, cfg = self.pos, self.cfg
+        ends = [self.total - pos.step, self.data.steps_per_epoch - pos.batch_in_epoch]
+        if cfg.train.checkpoint_every:
+            ends.append(cfg.train.checkpoint_every - pos.step % cfg.train.checkpoint_every)
+        if self._warming_up():
+            ends.append(self._warmup_start + cfg.prefetch.warmup_steps - pos.step)
+        return max(1, min(ends))
+
+    def _after_step(self, out: Any) -> None:
+        pos = self.pos
+        pos.step += 1
+        pos.batch_in_epoch += 1
+        loss = float(out[0])
+        self._losses.append(loss)
+        self._record("step", step=pos.step, loss=loss)
+        self._bar.update(1)
+        self._mark_warmup()
+        if pos.step == self.steady_from:
+            self.steady.reset(pos.step, self.pipeline.stats())
+        if pos.step == self.total:
+            self.summary.steady = self.steady.read(pos.step, self.pipeline.stats())
+        if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total:
+            self._log_window()
+
+    def _log_window(self) -> None:
+        w = self.window.read(self.pos.step, self.pipeline.stats())
+        self.window.reset(self.pos.step, self.pipeline.stats())
+        self._last_loss = float(np.mean(self._losses)) if self._losses else float("nan")
+        self._losses.clear()
+        self._record("log", step=self.pos.step, loss=self._last_loss, depth=self.pipeline.prefetch_depth, **w)
+        self._bar.set_postfix(loss=f"{self._last_loss:.4f}", sps=f"{w['samples_per_s']:.0f}",
+                              stall=f"{w['stall_ms_per_step']:.2f}ms", hit=f"{w['hit_rate']:.3f}")
+        self.log.info(
+            "step %d loss %.4f | %.0f samples/s | %.1f ms/step | stall %.2f ms/step | hit rate %.3f | depth %d",
+            self.pos.step, self._last_loss, w["samples_per_s"], w["step_ms"], w["stall_ms_per_step"],
+            w["hit_rate"], self.pipeline.prefetch_depth,
+        )
+
+    # ------------------------------------------------------------------ prefetch=auto
+    def _start_auto(self) -> None:
+        """Arms the warm-up: the next ``warmup_steps`` steps run reactive and are measured."""
+        self._auto_pending = self.cfg.prefetch.mode == "auto" and self.pos.step < self.total
+        self._warmup_start = self.pos.step
+        self._warm_marks = []
+        if self._auto_pending:
+            self.pipeline.prefetch_depth = 0
+
+    def _warming_up(self) -> bool:
+        return self._auto_pending and self.pos.step < self._warmup_start + self.cfg.prefetch.warmup_steps
+
+    def _mark_warmup(self) -> None:
+        # From the 2nd warm-up step on: the first ones carry one-time costs.
+        if self._auto_pending and self.pos.step - self._warmup_start >= 2:
+            self._warm_marks.append((self.pos.step, time.perf_counter(), dict(self.pipeline.stats())))
+
+    def _maybe_choose_depth(self) -> None:
+        if not self._auto_pending or self._warming_up():
+            return
+        self._auto_pending = False
+        if len(self._warm_marks) < 2:
+            return  # training ended inside the warm-up
+        (s0, t0, st0), (s1, t1, st1) = self._warm_marks[0], self._warm_marks[-1]
+        steps = max(s1 - s0, 1)
+        step_s = (t1 - t0) / steps
+        fetch_s = (st1.get("stall_s", 0.0) - st0.get("stall_s", 0.0)) / steps
+        limit = cache_depth_limit(self.dmp, self.env.world_size * self.cfg.train.batch_size)
+        fetch_s, other_s, limit = agree(fetch_s, max(step_s - fetch_s, 0.0), limit)
+        choice: DepthChoice = choose_depth(fetch_s, other_s, self.cfg.prefetch.max_depth, limit)
+        self.pipeline.prefetch_depth = choice.depth
+        self.summary.depth_choice = choice.as_dict()
+        self._record("prefetch_auto", step=self.pos.step, **choice.as_dict())
+        self.log.info("prefetch=auto chose depth %d: %s (cache allows up to %d)", choice.depth, choice.reason, limit)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> Dict[str, Any]:
+        self.dmp.eval()
+        metrics = EvalMetrics()
+        batches: Iterator[Any] = iter(self.data.eval)
+        if self.cfg.train.eval_max_batches:
+            batches = itertools.islice(batches, self.cfg.train.eval_max_batches)
+        total = min(len(self.data.eval), self.cfg.train.eval_max_batches or len(self.data.eval))
+        with tqdm(total=total, unit="batch", desc="eval", leave=False, dynamic_ncols=True,
+                  disable=not (self.env.is_main and self.cfg.train.progress_bar)) as bar:
+            def on_step(out: Any) -> None:
+                _, logits, labels = out
+                metrics.update(logits, labels)
+                bar.update(1)
+            run_pipeline(self.pipeline, batches, on_step)
+        self.dmp.train()
+        result = {"step": self.pos.step, "epoch": self.pos.epoch, **metrics.compute()}
+        self.summary.evals.append(result)
+        self._record("eval", **result)
+        self.log.info("eval at step %d: AUROC %.4f | log loss %.4f | %d samples", result["step"],
+                      result["auroc"], result["logloss"], result["samples"])
+        return result

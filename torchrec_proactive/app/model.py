@@ -1,0 +1,120 @@
+"""Model, sharder, plan and optimizer factories."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
+from torchrec.optim.keyed import CombinedOptimizer
+
+from .. import ProactiveEmbeddingBagCollectionSharder
+from ..config.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, Config, ModelConfig, OptimizerConfig
+from ..fetch import LinkModel
+from ..planning import build_plan, combined_optimizer, shard_model
+from .env import RankEnv
+
+FEATURES = [f"cat_{i}" for i in range(NUM_SPARSE_FEATURES)]  # keys of the Criteo loader's KJT
+_EMB_OPT = {
+    "sgd": EmbOptimType.EXACT_SGD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "adam": EmbOptimType.ADAM,
+}
+
+
+def table_configs(cfg: ModelConfig, cardinalities: Sequence[int]) -> List[EmbeddingBagConfig]:
+    rows = list(cfg.num_embeddings_per_feature or cardinalities)
+    return [
+        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=cfg.embedding_dim, num_embeddings=n, feature_names=[f])
+        for f, n in zip(FEATURES, rows)
+    ]
+
+
+def build_model(cfg: ModelConfig, cardinalities: Sequence[int], device: torch.device) -> DLRMTrain:
+    """``DLRMTrain(DLRM | DLRM_DCN)``. The embedding tables are built on the meta device:
+    sharding allocates (and initialises) only each rank's shards."""
+    ebc = EmbeddingBagCollection(tables=table_configs(cfg, cardinalities), device=torch.device("meta"))
+    common = dict(
+        embedding_bag_collection=ebc, dense_in_features=NUM_DENSE_FEATURES,
+        dense_arch_layer_sizes=list(cfg.dense_arch_layer_sizes),
+        over_arch_layer_sizes=list(cfg.over_arch_layer_sizes), dense_device=device,
+    )
+    if cfg.arch == "dcnv2":
+        net: nn.Module = DLRM_DCN(dcn_num_layers=cfg.dcn_num_layers, dcn_low_rank_dim=cfg.dcn_low_rank_dim, **common)
+    else:
+        net = DLRM(**common)
+    return DLRMTrain(net)
+
+
+def fused_params(cfg: OptimizerConfig) -> Dict[str, object]:
+    params: Dict[str, object] = {"optimizer": _EMB_OPT[cfg.embedding], "learning_rate": cfg.embedding_lr}
+    if cfg.embedding != "sgd":
+        params["eps"] = cfg.embedding_eps
+    return params
+
+
+def cache_slots(
+    tables: Sequence[EmbeddingBagConfig], cfg: Config, world_size: int, local_size: int
+) -> Tuple[Dict[str, int], List[str]]:
+    """Per-table cache sizes for tables whose load-factor cache cannot hold the rows of
+    ``depth + 1`` in-flight batches (the pipeline pins that many), plus a note for each.
+
+    One batch brings at most ``world_size * batch_size`` ids per feature to a shard (one id
+    per sample and feature in Criteo, whatever the sharding), so that bound - capped by the
+    shard's rows - is what must fit, per batch. Tables that already fit are left to the
+    load factor.
+    """
+    if not cfg.cache.fit_depth:
+        return {}, []
+    batches = cfg.prefetch.capacity_depth + 1
+    ids_per_batch = world_size * cfg.train.batch_size
+    divisor = {"row_wise": world_size, "table_row_wise": local_size, "auto": world_size}.get(cfg.sharding.type, 1)
+    slots: Dict[str, int] = {}
+    notes: List[str] = []
+    for t in tables:
+        local_rows = math.ceil(t.num_embeddings / divisor)
+        by_factor = max(1, round(cfg.cache.load_factor * local_rows))
+        need = min(local_rows, batches * ids_per_batch * len(t.feature_names))
+        if by_factor < need:
+            slots[t.name] = need
+            notes.append(f"{t.name}: {by_factor} -> {need} slots")
+    return slots, notes
+
+
+def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCollectionSharder:
+    link = None
+    if cfg.link.kind == "emulated":
+        link = LinkModel(bandwidth_gbps=cfg.link.bandwidth_gbps, latency_us=cfg.link.latency_us)
+    return ProactiveEmbeddingBagCollectionSharder(
+        fused_params=fused_params(cfg.optimizer), cache_load_factor=cfg.cache.load_factor,
+        eviction_policy=cfg.cache.eviction_policy, num_slots=slots, link=link,
+    )
+
+
+def shard(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config,
+          env: RankEnv) -> DistributedModelParallel:
+    plan = build_plan(
+        model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
+        local_size=env.local_world_size, device_type=env.device.type,
+        cache_load_factor=cfg.cache.load_factor if cfg.sharding.kernel == "fused_uvm_caching" else None,
+    )
+    return shard_model(model, sharder, plan, env.device)
+
+
+def _dense_factory(cfg: OptimizerConfig) -> Callable[[List[torch.Tensor]], torch.optim.Optimizer]:
+    if cfg.dense == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=cfg.dense_lr)
+    if cfg.dense == "adagrad":
+        return lambda params: torch.optim.Adagrad(params, lr=cfg.dense_lr, eps=cfg.dense_eps)
+    return lambda params: torch.optim.Adam(params, lr=cfg.dense_lr, eps=cfg.dense_eps)
+
+
+def build_optimizer(dmp: DistributedModelParallel, cfg: OptimizerConfig) -> CombinedOptimizer:
+    return combined_optimizer(dmp, _dense_factory(cfg))

@@ -1,0 +1,68 @@
+"""One training run on this rank: the pieces, built by small factories, then the loop.
+
+Called on every rank of an initialised process group (``entry.rank_main`` does that for
+the CLI, the example script and torchx).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+
+from .. import ProactiveTrainPipeline
+from ..config.schema import Config
+from . import data as data_lib
+from . import model as model_lib
+from .checkpoint import Checkpointer
+from .compose import to_yaml
+from .env import check_same_config, make_env, seed_everything, setup_logging
+from .loop import Summary, Trainer
+
+
+def run_training(cfg: Config) -> Summary:
+    env = make_env(cfg)
+    log = setup_logging(env)
+    digest = check_same_config(cfg, env)  # before anything collective depends on the config
+    (env.output_dir / "config.yaml").write_text(to_yaml(cfg))
+    log.info("config %s on %d rank(s), device %s, link %s", digest, env.world_size, env.device, describe_link(cfg))
+
+    pre = data_lib.prepare(cfg.data, log, progress=env.is_main and cfg.train.progress_bar)
+    data = data_lib.loaders(pre, cfg.data, cfg.train.batch_size)
+    log.info("data: %d training steps per epoch per rank, %d eval batches, %d tables",
+             data.steps_per_epoch, len(data.eval), len(data.cardinalities))
+
+    seed_everything(cfg.train.seed)
+    model = model_lib.build_model(cfg.model, data.cardinalities, env.device)
+    tables = model_lib.table_configs(cfg.model, data.cardinalities)
+    slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size)
+    if notes:
+        log.info("cache.fit_depth: %d small cache(s) grown to hold %d batches: %s", len(notes),
+                 cfg.prefetch.capacity_depth + 1, "; ".join(notes[:4]) + (" ..." if len(notes) > 4 else ""))
+    dmp = model_lib.shard(model, model_lib.build_sharder(cfg, slots), cfg, env)
+    optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
+    pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
+
+    ckpt_dir = Path(cfg.train.checkpoint_dir or Path(cfg.train.output_dir) / "checkpoints")
+    checkpointer = Checkpointer(ckpt_dir, env.rank, env.world_size, cfg.train.keep_checkpoints, log)
+    trainer = Trainer(cfg, env, dmp, optimizer, pipeline, data, checkpointer, log)
+    trainer.resume()
+    summary = trainer.fit()
+    log.info("done: %d steps, depth %d, %s", summary.steps, summary.depth, format_steady(summary.steady))
+    return summary
+
+
+def describe_link(cfg: Config) -> str:
+    if cfg.link.kind == "none":
+        return "none (in-process copies)"
+    return f"emulated ({cfg.link.bandwidth_gbps:g} GB/s, {cfg.link.latency_us:g} us latency; CPU only)"
+
+
+def format_steady(w: Dict[str, Any]) -> str:
+    if not w:
+        return "no steady-state window"
+    return (f"{w['samples_per_s']:.0f} samples/s, {w['step_ms']:.1f} ms/step, stall "
+            f"{w['stall_ms_per_step']:.2f} ms/step, hit rate {w['hit_rate']:.3f}")
+
+
+__all__ = ["run_training"]

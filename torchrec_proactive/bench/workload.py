@@ -1,0 +1,84 @@
+"""The benchmark's model and data: a DLRM over Criteo-like tables with Zipf-skewed ids.
+
+Every configuration of a bench run trains this same model, from the same initial weights,
+on the same batches, so their step times can be divided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import numpy as np
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.models.dlrm import DLRM
+
+from ..data.criteo_synth import KAGGLE_CARDINALITIES, sample_zipf_ranks
+
+NUM_DENSE = 13
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Shape of the benchmark model and its data (per rank)."""
+
+    num_tables: int = 8
+    rows_per_table: int = 100_000
+    embedding_dim: int = 64
+    batch_size: int = 512
+    ids_per_feature: int = 1
+    zipf_alpha: float = 1.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_tables", "rows_per_table", "embedding_dim", "batch_size", "ids_per_feature"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.embedding_dim % 4:
+            raise ValueError(f"embedding_dim must be a multiple of 4 (FBGEMM), got {self.embedding_dim}")
+
+    def cardinalities(self) -> List[int]:
+        """Kaggle's largest tables, capped at ``rows_per_table`` (skew comes from Zipf)."""
+        big = sorted(KAGGLE_CARDINALITIES, reverse=True)[: self.num_tables]
+        return [min(c, self.rows_per_table) for c in big]
+
+    def tables(self) -> List[EmbeddingBagConfig]:
+        return [
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=self.embedding_dim, num_embeddings=n, feature_names=[f"cat_{i}"])
+            for i, n in enumerate(self.cardinalities())
+        ]
+
+    def batches(self, num: int, rank: int) -> List[Batch]:
+        rng = np.random.default_rng([self.seed, rank])
+        out = []
+        cards = self.cardinalities()
+        for _ in range(num):
+            n = self.batch_size * self.ids_per_feature
+            values = [torch.from_numpy(sample_zipf_ranks(rng, c, self.zipf_alpha, n).astype(np.int64)) for c in cards]
+            lengths = torch.full((len(cards) * self.batch_size,), self.ids_per_feature, dtype=torch.int64)
+            kjt = KeyedJaggedTensor.from_lengths_sync(
+                keys=[f"cat_{i}" for i in range(len(cards))], values=torch.cat(values), lengths=lengths
+            )
+            dense = torch.from_numpy(rng.standard_normal((self.batch_size, NUM_DENSE)).astype(np.float32))
+            labels = torch.from_numpy((rng.random(self.batch_size) < 0.25).astype(np.float32))
+            out.append(Batch(dense_features=dense, sparse_features=kjt, labels=labels))
+        return out
+
+
+class DLRMTrainModel(nn.Module):
+    """``forward(Batch) -> (loss, logits)`` around TorchRec's DLRM (what pipelines expect)."""
+
+    def __init__(self, workload: Workload) -> None:
+        super().__init__()
+        d = workload.embedding_dim
+        ebc = EmbeddingBagCollection(tables=workload.tables(), device=torch.device("cpu"))
+        self.model = DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                          dense_arch_layer_sizes=[128, d], over_arch_layer_sizes=[256, 128, 1])
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch: Batch):
+        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        return self.loss_fn(logits, batch.labels), logits.detach()

@@ -1,0 +1,360 @@
+"""Typed schema of the Hydra config tree in ``conf/`` (one dataclass per config group).
+
+Every group's YAML variants are merged onto these dataclasses, registered in Hydra's
+ConfigStore by :func:`register`, so a misspelled key or a value of the wrong type fails
+when the config is composed. Range and cross-field checks live in ``__post_init__`` and
+run when the composed config is turned into objects (``OmegaConf.to_object``, done by
+:func:`torchrec_proactive.app.compose.compose_config`); each names the field, the value
+and the limit.
+
+This module imports neither TorchRec nor torch, so configs can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+ARCHS = ("dlrm", "dcnv2")
+DATA_SOURCES = ("synthetic", "criteo")
+DATA_LAYOUTS = ("kaggle", "terabyte")
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "auto")
+KERNELS = ("fused_uvm_caching", "fused")
+PREFETCH_MODES = ("off", "fixed", "auto")
+EVICTION_POLICIES = ("lru", "lfu")
+EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
+LINK_KINDS = ("emulated", "none")
+DEVICES = ("auto", "cpu", "cuda")
+NUM_SPARSE_FEATURES = 26  # Criteo's categorical columns
+NUM_DENSE_FEATURES = 13  # Criteo's integer columns
+
+
+def _fail(name: str, value: object, limit: str) -> None:
+    raise ValueError(f"{name}={value!r} is invalid: {limit}")
+
+
+def _choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        _fail(name, value, f"must be one of {list(choices)}")
+
+
+def _at_least(name: str, value: Optional[float], minimum: float) -> None:
+    if value is not None and not value >= minimum:
+        _fail(name, value, f"must be >= {minimum}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        _fail(name, value, "must be a finite number > 0")
+
+
+def _sizes(name: str, sizes: Sequence[int]) -> None:
+    if len(sizes) == 0:
+        _fail(name, list(sizes), "must list at least one layer size")
+    for s in sizes:
+        if s < 1:
+            _fail(name, list(sizes), f"every layer size must be >= 1 (got {s})")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """DLRM (dot interaction) or DCNv2 (low-rank cross net), TorchRec's reference models."""
+
+    name: str = "debug"
+    """Label of the variant; part of the default output directory."""
+    arch: str = "dlrm"
+    """``dlrm``: ``torchrec.models.dlrm.DLRM``; ``dcnv2``: ``DLRM_DCN`` as in MLPerf's DCNv2."""
+    embedding_dim: int = 16
+    """Width of every embedding table (DLRM needs one width for its pairwise interaction)."""
+    dense_arch_layer_sizes: List[int] = field(default_factory=lambda: [64, 16])
+    """Bottom MLP over the 13 dense features; the last size must equal ``embedding_dim``."""
+    over_arch_layer_sizes: List[int] = field(default_factory=lambda: [64, 1])
+    """Top MLP; the last size must be 1 (one logit)."""
+    dcn_num_layers: int = 3
+    """``dcnv2`` only: cross layers."""
+    dcn_low_rank_dim: int = 64
+    """``dcnv2`` only: rank of each cross layer's weight factorisation."""
+    num_embeddings_per_feature: Optional[List[int]] = None
+    """Rows per table; ``None`` takes the data set's cardinalities (what preprocessing saw)."""
+
+    def __post_init__(self) -> None:
+        _choice("model.arch", self.arch, ARCHS)
+        _at_least("model.embedding_dim", self.embedding_dim, 1)
+        _sizes("model.dense_arch_layer_sizes", self.dense_arch_layer_sizes)
+        _sizes("model.over_arch_layer_sizes", self.over_arch_layer_sizes)
+        if self.dense_arch_layer_sizes[-1] != self.embedding_dim:
+            _fail("model.dense_arch_layer_sizes", list(self.dense_arch_layer_sizes),
+                  f"the last size must equal model.embedding_dim={self.embedding_dim}")
+        if self.over_arch_layer_sizes[-1] != 1:
+            _fail("model.over_arch_layer_sizes", list(self.over_arch_layer_sizes), "the last size must be 1")
+        _at_least("model.dcn_num_layers", self.dcn_num_layers, 1)
+        _at_least("model.dcn_low_rank_dim", self.dcn_low_rank_dim, 1)
+        if self.num_embeddings_per_feature is not None:
+            rows = list(self.num_embeddings_per_feature)
+            if len(rows) != NUM_SPARSE_FEATURES:
+                _fail("model.num_embeddings_per_feature", f"<{len(rows)} entries>",
+                      f"must have {NUM_SPARSE_FEATURES} entries (one per Criteo categorical feature)")
+            if min(rows) < 1:
+                _fail("model.num_embeddings_per_feature", min(rows), "every table needs >= 1 row")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the Criteo-format data comes from and how it is split."""
+
+    name: str = "synthetic"
+    """Label of the variant; part of the default output directory."""
+    source: str = "synthetic"
+    """``synthetic``: generated Criteo-format TSV; ``criteo``: the released TSV files in ``root``."""
+    layout: str = "kaggle"
+    """``kaggle`` (one ``train.txt``) or ``terabyte`` (``day_0`` .. ``day_{num_days-1}``)."""
+    root: str = "data/synthetic"
+    """``criteo``: directory holding the TSV files. ``synthetic``: parent directory of
+    generated data sets (each in a subdirectory named after its spec, so specs never collide)."""
+    preprocessed_dir: Optional[str] = None
+    """Binary (npy) output of preprocessing; ``None``: ``<data set dir>/preprocessed``."""
+    num_days: int = 24
+    """``terabyte`` layout: number of day files (24 in the release)."""
+    num_samples: int = 100_000
+    """``synthetic``: rows to generate."""
+    cardinality_scale: float = 1.0
+    """``synthetic``: multiplies Criteo's per-feature cardinalities."""
+    max_cardinality: Optional[int] = 20_000
+    """``synthetic``: cap on any feature's cardinality (keeps small features realistic)."""
+    zipf_alpha: float = 1.1
+    """``synthetic``: skew of category popularity (larger = hotter head)."""
+    seed: int = 0
+    """``synthetic``: generator seed (the whole data set is a function of the spec)."""
+    eval_fraction: float = 0.1
+    """Last fraction of all rows held out for evaluation (never trained on)."""
+    shuffle_batches: bool = False
+    """Permute rows within each training batch (TorchRec's option; numpy's global RNG)."""
+
+    def __post_init__(self) -> None:
+        _choice("data.source", self.source, DATA_SOURCES)
+        _choice("data.layout", self.layout, DATA_LAYOUTS)
+        if not self.root:
+            _fail("data.root", self.root, "must name a directory")
+        _at_least("data.num_days", self.num_days, 1)
+        _at_least("data.num_samples", self.num_samples, 2)
+        _positive("data.cardinality_scale", self.cardinality_scale)
+        _at_least("data.max_cardinality", self.max_cardinality, 2)
+        _positive("data.zipf_alpha", self.zipf_alpha)
+        _at_least("data.seed", self.seed, 0)
+        if not 0.0 < self.eval_fraction < 1.0:
+            _fail("data.eval_fraction", self.eval_fraction, "must be in (0, 1)")
+
+
+@dataclass(kw_only=True)
+class ShardingConfig:
+    """How the embedding tables are split over ranks."""
+
+    type: str = "table_wise"
+    """One TorchRec sharding type for every table, or ``auto`` for TorchRec's planner."""
+    kernel: str = "fused_uvm_caching"
+    """``fused_uvm_caching``: proactive host tier + device cache (ours); ``fused``: stock
+    TorchRec kernel, everything resident (the no-cache reference)."""
+
+    def __post_init__(self) -> None:
+        _choice("sharding.type", self.type, SHARDING_TYPES)
+        _choice("sharding.kernel", self.kernel, KERNELS)
+
+
+@dataclass(kw_only=True)
+class PrefetchConfig:
+    """How far ahead cold rows are fetched (``prefetch_depth``, k)."""
+
+    mode: str = "fixed"
+    """``off``: reactive, rows fetched inside the lookup (TorchRec's behaviour, depth 0);
+    ``fixed``: fetch ``depth`` batches ahead; ``auto``: measure, then pick the depth."""
+    depth: int = 2
+    """``fixed``: the depth k (>= 1). Must be 0 with ``off``; ignored by ``auto``."""
+    max_depth: int = 4
+    """``auto``: largest depth it may choose (the cache must hold depth + 1 batches)."""
+    warmup_steps: int = 8
+    """``auto``: reactive steps measured before choosing (they are ordinary training steps;
+    depth does not change the numerics)."""
+
+    def __post_init__(self) -> None:
+        _choice("prefetch.mode", self.mode, PREFETCH_MODES)
+        if self.mode == "off" and self.depth != 0:
+            _fail("prefetch.depth", self.depth, "must be 0 with prefetch.mode='off' (use prefetch=fixed for k >= 1)")
+        if self.mode == "fixed" and self.depth < 1:
+            _fail("prefetch.depth", self.depth, "must be >= 1 with prefetch.mode='fixed' (use prefetch=off for 0)")
+        _at_least("prefetch.max_depth", self.max_depth, 1)
+        _at_least("prefetch.warmup_steps", self.warmup_steps, 3)
+
+    @property
+    def initial_depth(self) -> int:
+        """Depth the pipeline starts with (``auto`` starts reactive while it measures)."""
+        return self.depth if self.mode == "fixed" else 0
+
+    @property
+    def capacity_depth(self) -> int:
+        """Deepest depth this config may run at: caches are sized for it."""
+        return {"off": 0, "fixed": self.depth, "auto": self.max_depth}[self.mode]
+
+
+@dataclass(kw_only=True)
+class CacheConfig:
+    """The device cache in front of each proactive table shard."""
+
+    load_factor: float = 0.2
+    """Cache rows as a fraction of each local shard's rows."""
+    eviction_policy: str = "lru"
+    """``lru`` or ``lfu`` for slots that no in-flight batch pins."""
+    fit_depth: bool = True
+    """Grow caches that cannot hold ``depth + 1`` batches of rows (small tables, tiny load
+    factors) to that size, logging each change, instead of failing at the first batch."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.load_factor <= 1.0:
+            _fail("cache.load_factor", self.load_factor, "must be in (0, 1]")
+        _choice("cache.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Fused (in-backward) embedding optimizer and the dense optimizer."""
+
+    embedding: str = "rowwise_adagrad"
+    """FBGEMM ``EmbOptimType`` of the tables: sgd, adagrad, rowwise_adagrad or adam (EXACT_*)."""
+    embedding_lr: float = 0.05
+    """Learning rate of the embedding optimizer."""
+    embedding_eps: float = 1e-8
+    """Epsilon of the adaptive embedding optimizers."""
+    dense: str = "adagrad"
+    """``torch.optim`` optimizer of the MLPs: sgd, adagrad or adam."""
+    dense_lr: float = 0.05
+    """Learning rate of the dense optimizer."""
+    dense_eps: float = 1e-8
+    """Epsilon of the adaptive dense optimizers."""
+
+    def __post_init__(self) -> None:
+        _choice("optimizer.embedding", self.embedding, EMBEDDING_OPTIMIZERS)
+        _choice("optimizer.dense", self.dense, DENSE_OPTIMIZERS)
+        _positive("optimizer.embedding_lr", self.embedding_lr)
+        _positive("optimizer.embedding_eps", self.embedding_eps)
+        _positive("optimizer.dense_lr", self.dense_lr)
+        _positive("optimizer.dense_eps", self.dense_eps)
+
+
+@dataclass(kw_only=True)
+class LinkConfig:
+    """The host-to-device link on CPU (on CUDA the copy stream is the link; this is ignored)."""
+
+    kind: str = "emulated"
+    """``emulated``: copies complete no earlier than ``latency + bytes / bandwidth`` (figures
+    measured with it are labelled emulated); ``none``: plain in-process copy."""
+    bandwidth_gbps: float = 0.5
+    """Emulated bandwidth in GB/s (1e9 bytes per second)."""
+    latency_us: float = 200.0
+    """Emulated fixed cost per fetch, in microseconds."""
+
+    def __post_init__(self) -> None:
+        _choice("link.kind", self.kind, LINK_KINDS)
+        _positive("link.bandwidth_gbps", self.bandwidth_gbps)
+        _at_least("link.latency_us", self.latency_us, 0.0)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The loop: length, batch, evaluation, logging, checkpoints, seeds."""
+
+    epochs: int = 1
+    """Passes over the training split."""
+    max_steps: Optional[int] = None
+    """Stop after this many steps in total (counted across epochs and resumes)."""
+    batch_size: int = 256
+    """Samples per rank per step."""
+    eval: bool = True
+    """Evaluate (AUROC, log loss) on the held-out split after each epoch and at the end."""
+    eval_max_batches: Optional[int] = None
+    """Cap on evaluation batches per rank (``None``: the whole held-out split)."""
+    log_every: int = 20
+    """Steps between log lines (loss, samples/s, stall, hit rate)."""
+    output_dir: str = "outputs/${model.name}-${data.name}-${sharding.type}"
+    """Run directory; every rank writes under ``<output_dir>/rank_<r>`` only."""
+    checkpoint_dir: Optional[str] = None
+    """``None``: ``<output_dir>/checkpoints``."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints; 0: only at the end of each epoch and of training."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in ``checkpoint_dir`` (if any)."""
+    seed: int = 0
+    """Seed of torch / numpy / random on every rank."""
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
+    progress_bar: bool = True
+    """tqdm bars on rank 0."""
+
+    def __post_init__(self) -> None:
+        _at_least("train.epochs", self.epochs, 1)
+        _at_least("train.max_steps", self.max_steps, 1)
+        _at_least("train.batch_size", self.batch_size, 1)
+        _at_least("train.eval_max_batches", self.eval_max_batches, 1)
+        _at_least("train.log_every", self.log_every, 1)
+        _at_least("train.checkpoint_every", self.checkpoint_every, 0)
+        _at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
+        _at_least("train.seed", self.seed, 0)
+        _choice("train.device", self.device, DEVICES)
+        if not self.output_dir:
+            _fail("train.output_dir", self.output_dir, "must name a directory")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run. Groups are chosen in ``conf/config.yaml``'s defaults list."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.prefetch.mode == "auto" and self.train.max_steps is not None \
+                and self.train.max_steps < self.prefetch.warmup_steps:
+            _fail("prefetch.warmup_steps", self.prefetch.warmup_steps,
+                  f"must be <= train.max_steps={self.train.max_steps} with prefetch.mode='auto'")
+        if self.sharding.kernel == "fused" and self.prefetch.mode != "off":
+            _fail("prefetch.mode", self.prefetch.mode,
+                  "must be 'off' with sharding.kernel='fused' (stock tables have nothing to prefetch)")
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "sharding": ShardingConfig,
+    "prefetch": PrefetchConfig,
+    "cache": CacheConfig,
+    "optimizer": OptimizerConfig,
+    "link": LinkConfig,
+    "train": TrainConfig,
+}
+SCHEMA_NAME = "proactive_schema"
+
+_registered = False
+
+
+def register() -> None:
+    """Registers the schema in Hydra's ConfigStore (idempotent).
+
+    ``conf/config.yaml`` lists ``proactive_schema`` in its defaults, so every group's
+    variants are merged onto a typed node.
+    """
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name=SCHEMA_NAME, node=Config)
+    _registered = True
