@@ -1,0 +1,67 @@
+"""`torchrec-proactive bench --quick`: schema and internal consistency of its report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchrec_proactive.bench.rank import choose_depth
+from torchrec_proactive.bench.runner import REQUIRED_KEYS, main
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["--quick", "--json", str(out / "bench.json"), "--timeline", str(out / "timeline")]) == 0
+    return json.loads((out / "bench.json").read_text()), out
+
+
+def test_report_has_the_documented_keys(quick_report):
+    report, _ = quick_report
+    for key in REQUIRED_KEYS:
+        assert key in report, key
+    assert report["link"]["kind"] == "emulated"
+    assert report["link"]["bandwidth_gbps"] > 0 and report["link"]["latency_us"] >= 0
+    names = {c["name"] for c in report["configs"]}
+    assert {"resident", "reactive", "depth_1", "depth_2", "depth_4"} <= names
+
+
+def test_ratios_are_quotients_of_reported_rates(quick_report):
+    report, _ = quick_report
+    by_name = {c["name"]: c for c in report["configs"]}
+    best = by_name[f"depth_{report['best_depth']}"]
+    assert report["proactive_samples_per_s"] == pytest.approx(best["samples_per_s"])
+    assert report["speedup_vs_reactive"] == pytest.approx(report["proactive_samples_per_s"] / report["reactive_samples_per_s"])
+    assert report["fraction_of_resident"] == pytest.approx(report["proactive_samples_per_s"] / report["resident_samples_per_s"])
+    assert report["stall_ms_reactive"] == pytest.approx(by_name["reactive"]["stall_ms_per_step"])
+    for c in report["configs"]:
+        if "error" not in c:
+            assert c["samples_per_s"] == pytest.approx(2 * 256 / (c["step_ms_median"] / 1e3))
+            assert c["step_ms_p90"] >= c["step_ms_median"]
+
+
+def test_prefetching_cuts_the_stall_under_the_emulated_link(quick_report):
+    report, _ = quick_report
+    by_name = {c["name"]: c for c in report["configs"]}
+    assert by_name["reactive"]["stall_ms_per_step"] > 0
+    for k in (1, 2):
+        assert by_name[f"depth_{k}"]["stall_ms_per_step"] < by_name["reactive"]["stall_ms_per_step"]
+    # same data, same cache: the same rows cross the link whatever the depth
+    assert by_name["depth_1"]["rows_fetched_per_step"] == pytest.approx(by_name["reactive"]["rows_fetched_per_step"], rel=0.05)
+
+
+def test_timeline_files_written(quick_report):
+    report, out = quick_report
+    png = out / "timeline" / "timeline.png"
+    trace = json.loads((out / "timeline" / "timeline.trace.json").read_text())
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert any("fetch" in lane for lane in lanes) and any("compute" in lane for lane in lanes)
+
+
+def test_choose_depth_picks_smallest_depth_that_hides_the_fetch():
+    assert choose_depth(0.030, 0.010, (1, 2, 4)) == 1  # 20 ms of other work hides 10 ms
+    assert choose_depth(0.030, 0.0, (1, 2, 4)) == 1
