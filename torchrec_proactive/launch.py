@@ -57,6 +57,22 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs
                 pass
 
 
+def _root_cause(procs: List[Any], rank: int, payload: str, reported: set, grace_s: float = 2.0) -> str:
+    """A rank's error, preceded by any rank that died without reporting (usually the cause:
+    its peers then fail inside a collective with "connection closed")."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+        if dead:
+            r = dead[0]
+            return (f"rank {r} died with exit code {procs[r].exitcode} before reporting a result; "
+                    f"then rank {rank} failed:\n{payload}")
+        if all(p.exitcode is not None for r, p in enumerate(procs) if r not in reported):
+            break
+        time.sleep(0.05)
+    return f"rank {rank} failed:\n{payload}"
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 600.0,
               threads_per_rank: int = 1, pg_timeout_s: float = 120.0, **kwargs: Any) -> List[Any]:
     """Runs ``fn(rank=, world_size=, **kwargs)`` on ``world_size`` spawned ranks; returns their results.
@@ -89,7 +105,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 60
                     raise RankFailure(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s:.0f} s")
                 continue
             if status == "error":
-                raise RankFailure(f"rank {rank} failed:\n{payload}")
+                raise RankFailure(_root_cause(procs, rank, payload, reported=set(out) | {rank}))
             out[rank] = payload
     finally:
         for p in procs:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
@@ -49,7 +49,22 @@ def compose_config(overrides: Sequence[str] = (), config_dir: Optional[str] = No
     register()
     with initialize_config_dir(config_dir=str(find_config_dir(config_dir)), version_base="1.3"):
         cfg = compose(CONFIG_NAME, overrides=list(overrides))
+    _reject_unknown_keys(cfg, Config, "")
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]  # runs every __post_init__
+
+
+def _reject_unknown_keys(node: Any, schema: type, prefix: str) -> None:
+    """Hydra lets ``+key=value`` add keys even to typed nodes, and ``to_object`` then drops
+    them silently; a key the schema does not know is a mistake, so say so."""
+    known = {f.name: f.type for f in fields(schema)}
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if key not in known:
+            where = f"'{prefix[:-1]}'" if prefix else "the top level"
+            raise ValueError(f"{name} is not a config key; {where} has {sorted(known)}")
+        child_schema = OmegaConf.get_type(node, key) if OmegaConf.is_dict(node[key]) else None
+        if child_schema is not None and is_dataclass(child_schema):
+            _reject_unknown_keys(node[key], child_schema, f"{name}.")
 
 
 def to_yaml(cfg: Config) -> str:

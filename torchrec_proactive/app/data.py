@@ -76,7 +76,7 @@ def prepare(cfg: DataConfig, log: logging.Logger, progress: bool = False) -> Pre
         try:
             tsv = _generate_if_needed(cfg, log, progress) if cfg.source == "synthetic" else _criteo_files(cfg)
             out = Path(cfg.preprocessed_dir) if cfg.preprocessed_dir else dataset_dir(cfg) / "preprocessed"
-            box[0] = preprocess(tsv, out, progress=progress)
+            box[0] = preprocess(tsv, out, progress=progress, frequency_threshold=cfg.frequency_threshold)
         except Exception as e:  # every rank must fail, not hang in the broadcast
             error[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(error, src=0)

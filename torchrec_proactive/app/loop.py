@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from ..config.schema import Config
 from .autodepth import DepthChoice, agree, cache_depth_limit, choose_depth
-from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .checkpoint import Checkpointer, rng_state, set_rng_state, after_optimizer_load, before_optimizer_save
 from .compose import config_hash, flatten
 from .data import Loaders
 from .env import RankEnv
@@ -96,6 +96,7 @@ class Trainer:
             self.optimizer.init_state()
             self.optimizer.zero_grad()
         self.optimizer.load_state_dict(state["optimizer"])
+        after_optimizer_load(self.dmp)
         self.pos = Position(**state["position"])
         self.epoch_np_state = state["epoch_np_state"]
         set_rng_state(state["rng"])
@@ -107,8 +108,10 @@ class Trainer:
     def save(self) -> None:
         if self.ckpt is None:
             return
+        model_state = self.dmp.state_dict()
+        before_optimizer_save(self.dmp)
         payload = {
-            "model": self.dmp.state_dict(),
+            "model": model_state,
             "optimizer": self.optimizer.state_dict(),
             "position": asdict(self.pos),
             "epoch_np_state": self.epoch_np_state,

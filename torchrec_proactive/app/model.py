@@ -17,6 +17,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from .. import ProactiveEmbeddingBagCollectionSharder
 from ..config.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, Config, ModelConfig, OptimizerConfig
 from ..fetch import LinkModel
+from ..integration.sharded_ebc import ProactiveShardedEmbeddingBagCollection
 from ..planning import build_plan, combined_optimizer, shard_model
 from .env import RankEnv
 
@@ -61,7 +62,7 @@ def fused_params(cfg: OptimizerConfig) -> Dict[str, object]:
 
 
 def cache_slots(
-    tables: Sequence[EmbeddingBagConfig], cfg: Config, world_size: int, local_size: int
+    tables: Sequence[EmbeddingBagConfig], cfg: Config, world_size: int, local_size: int, depth: int
 ) -> Tuple[Dict[str, int], List[str]]:
     """Per-table cache sizes for tables whose load-factor cache cannot hold the rows of
     ``depth + 1`` in-flight batches (the pipeline pins that many), plus a note for each.
@@ -73,7 +74,7 @@ def cache_slots(
     """
     if not cfg.cache.fit_depth:
         return {}, []
-    batches = cfg.prefetch.capacity_depth + 1
+    batches = depth + 1
     ids_per_batch = world_size * cfg.train.batch_size
     divisor = {"row_wise": world_size, "table_row_wise": local_size, "auto": world_size}.get(cfg.sharding.type, 1)
     slots: Dict[str, int] = {}
@@ -105,7 +106,14 @@ def shard(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg
         local_size=env.local_world_size, device_type=env.device.type,
         cache_load_factor=cfg.cache.load_factor if cfg.sharding.kernel == "fused_uvm_caching" else None,
     )
-    return shard_model(model, sharder, plan, env.device)
+    dmp = shard_model(model, sharder, plan, env.device)
+    # DMP re-initialises meta-built tables (reset_parameters) after the sharded module has
+    # built its caches, and tables small enough to be cached whole were preloaded from the
+    # first initialisation; drop them so every cache starts from the host tier as it is now.
+    for module in dmp.modules():
+        if isinstance(module, ProactiveShardedEmbeddingBagCollection):
+            module.invalidate_cache()
+    return dmp
 
 
 def _dense_factory(cfg: OptimizerConfig) -> Callable[[List[torch.Tensor]], torch.optim.Optimizer]:

@@ -7,7 +7,7 @@ the CLI, the example script and torchx).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 from .. import ProactiveTrainPipeline
@@ -21,6 +21,16 @@ from .loop import Summary, Trainer
 
 
 def run_training(cfg: Config) -> Summary:
+    trainer = build_run(cfg)
+    trainer.resume()
+    summary = trainer.fit()
+    trainer.log.info("done: %d steps, depth %d, %s", summary.steps, summary.depth, format_steady(summary.steady))
+    return summary
+
+
+def build_run(cfg: Config, cache_depth: Optional[int] = None) -> Trainer:
+    """Everything a run needs, ready to ``fit``. Caches are sized for ``cache_depth``
+    (default: the deepest depth the prefetch config may use)."""
     env = make_env(cfg)
     log = setup_logging(env)
     digest = check_same_config(cfg, env)  # before anything collective depends on the config
@@ -35,21 +45,19 @@ def run_training(cfg: Config) -> Summary:
     seed_everything(cfg.train.seed)
     model = model_lib.build_model(cfg.model, data.cardinalities, env.device)
     tables = model_lib.table_configs(cfg.model, data.cardinalities)
-    slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size)
+    depth = cfg.prefetch.capacity_depth if cache_depth is None else cache_depth
+    slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth)
     if notes:
-        log.info("cache.fit_depth: %d small cache(s) grown to hold %d batches: %s", len(notes),
-                 cfg.prefetch.capacity_depth + 1, "; ".join(notes[:4]) + (" ..." if len(notes) > 4 else ""))
+        log.info("cache.fit_depth: %d small cache(s) grown to hold %d batches: %s", len(notes), depth + 1, "; ".join(notes[:4]) + (" ..." if len(notes) > 4 else ""))
     dmp = model_lib.shard(model, model_lib.build_sharder(cfg, slots), cfg, env)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
 
-    ckpt_dir = Path(cfg.train.checkpoint_dir or Path(cfg.train.output_dir) / "checkpoints")
-    checkpointer = Checkpointer(ckpt_dir, env.rank, env.world_size, cfg.train.keep_checkpoints, log)
-    trainer = Trainer(cfg, env, dmp, optimizer, pipeline, data, checkpointer, log)
-    trainer.resume()
-    summary = trainer.fit()
-    log.info("done: %d steps, depth %d, %s", summary.steps, summary.depth, format_steady(summary.steady))
-    return summary
+    checkpointer = None
+    if cfg.train.save_checkpoints:
+        ckpt_dir = Path(cfg.train.checkpoint_dir or Path(cfg.train.output_dir) / "checkpoints")
+        checkpointer = Checkpointer(ckpt_dir, env.rank, env.world_size, cfg.train.keep_checkpoints, log)
+    return Trainer(cfg, env, dmp, optimizer, pipeline, data, checkpointer, log)
 
 
 def describe_link(cfg: Config) -> str:

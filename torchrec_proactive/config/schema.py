@@ -127,6 +127,9 @@ class DataConfig:
     """``synthetic``: skew of category popularity (larger = hotter head)."""
     seed: int = 0
     """``synthetic``: generator seed (the whole data set is a function of the spec)."""
+    frequency_threshold: int = 3
+    """Preprocessing maps ids seen fewer times than this (in all files) to one shared row
+    (TorchRec's Criteo default is 3; 0 keeps every id)."""
     eval_fraction: float = 0.1
     """Last fraction of all rows held out for evaluation (never trained on)."""
     shuffle_batches: bool = False
@@ -143,6 +146,7 @@ class DataConfig:
         _at_least("data.max_cardinality", self.max_cardinality, 2)
         _positive("data.zipf_alpha", self.zipf_alpha)
         _at_least("data.seed", self.seed, 0)
+        _at_least("data.frequency_threshold", self.frequency_threshold, 0)
         if not 0.0 < self.eval_fraction < 1.0:
             _fail("data.eval_fraction", self.eval_fraction, "must be in (0, 1)")
 
@@ -277,6 +281,8 @@ class TrainConfig:
     """Steps between log lines (loss, samples/s, stall, hit rate)."""
     output_dir: str = "outputs/${model.name}-${data.name}-${sharding.type}"
     """Run directory; every rank writes under ``<output_dir>/rank_<r>`` only."""
+    save_checkpoints: bool = True
+    """Write checkpoints at all (``compare`` turns them off)."""
     checkpoint_dir: Optional[str] = None
     """``None``: ``<output_dir>/checkpoints``."""
     checkpoint_every: int = 0

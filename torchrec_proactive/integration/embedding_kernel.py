@@ -287,6 +287,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         """Hands a planned (and transferred) batch to the next ``forward``."""
         self._bound = planned
 
+    def unbind(self) -> None:
+        """Forgets a bound batch that will not be looked up (its plans are released elsewhere)."""
+        self._bound = None
+
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         planned, self._bound = self._bound, None
         if planned is None:

@@ -27,12 +27,14 @@ import time
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
+from ..store import InvalidInputError
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 from .tracing import PipelineTracer
 
@@ -82,10 +84,31 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         self._proactive_modules: List[ProactiveShardedEmbeddingBagCollection] = []
         # Names of the contexts whose ids were waited for (and fetch issued when k >= 1).
         self._prefetched: set = set()
+        self._consistency_checked = False
         # Before the model is rewritten, plain calls go straight to the sharded modules:
         # tell them the depth now so a bypassed pipeline fails loudly instead of silently.
         for module in self._find_proactive_modules(model):
             module.set_prefetch_depth(prefetch_depth)
+
+    def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
+        """TorchRec's enqueue plus a finiteness check of the dense features.
+
+        A NaN/Inf there would reach every table's rows through the gradients; refusing the
+        batch before any of its collectives leaves the model and the host tier untouched.
+        """
+        if not super().enqueue_batch(dataloader_iter):
+            return False
+        dense = getattr(self.batches[-1], "dense_features", None)
+        if isinstance(dense, torch.Tensor) and dense.is_floating_point() and not bool(torch.isfinite(dense).all()):
+            index = self.contexts[-1].index
+            self.batches.pop()
+            self.contexts.pop()
+            bad = int((~torch.isfinite(dense)).sum())
+            raise InvalidInputError(
+                f"batch {index}: {bad} dense feature value(s) are NaN or Inf (shape {tuple(dense.shape)}); "
+                f"the batch was refused before training on it"
+            )
+        return True
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -100,6 +123,28 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         for module in self._proactive_modules:
             module.set_prefetch_depth(self.prefetch_depth)
             module.proactive_stats.keep_records = module.proactive_stats.keep_records or self.tracer.enabled
+        if not self._consistency_checked:
+            self._check_consistent_across_ranks()
+            self._consistency_checked = True
+
+    def _check_consistent_across_ranks(self) -> None:
+        """Every rank must run the same depth on the same set of proactive modules: the
+        pipeline issues collectives in an order that depends on both, and a mismatch would
+        hang in an all-to-all instead of failing. Checked once, with one small all-gather."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        mine = torch.tensor([self.prefetch_depth, len(self._proactive_modules), len(self._pipelined_modules)],
+                            dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        for rank, theirs in enumerate(gathered):
+            if not torch.equal(theirs, mine):
+                raise ValueError(
+                    f"ranks disagree on the pipeline: this rank (rank {dist.get_rank()}) has prefetch_depth="
+                    f"{int(mine[0])} and {int(mine[1])} proactive / {int(mine[2])} pipelined modules, rank {rank} "
+                    f"has prefetch_depth={int(theirs[0])} and {int(theirs[1])} / {int(theirs[2])}; "
+                    f"every rank must use the same configuration"
+                )
 
     def _launch_input_dist(self, i: int) -> None:
         """Starts and launches the input all-to-all of ``self.batches[i]`` (both halves)."""
@@ -239,8 +284,12 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
                 module_ctx.fetch = None
         # Input all-to-alls already launched must complete on every rank before we forget them.
         for context in self.contexts:
+            if context.fused_splits_awaitables:
+                self.wait_sparse_data_dist(context)
             for request in list(context.input_dist_tensors_requests.values()):
                 request.wait()
+        for module in self._proactive_modules:
+            module.release_unfinished()
         self._prefetched.clear()
         super().reset()
         self._check_drained()

@@ -35,10 +35,12 @@ from torchrec.distributed.embeddingbag import (
 )
 from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine, Ticket, make_transport
 from ..store import NotPrefetchedError
 from .embedding_kernel import PlannedGroup, ProactiveEmbeddingBag
+from .validation import InputValidator
 from .options import ProactiveOptions
 
 
@@ -63,6 +65,11 @@ class BatchFetch:
     ticket: Ticket
     groups: List[PlannedGroup]
     index: Optional[int] = None
+
+
+    @property
+    def released(self) -> bool:
+        return all(tb.plan.released for g in self.groups for tb in g.table_batches)
 
 
 @dataclass
@@ -137,6 +144,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             kernel.reactive_engine = self._fetch_engine
         self.prefetch_depth = 0
         self.proactive_stats = ProactiveStats()
+        self._consumed: List[BatchFetch] = []
+        self._validator = InputValidator(self._embedding_bag_configs)
         self.register_load_state_dict_pre_hook(lambda *a, **k: self.flush_cache())
         self.register_load_state_dict_post_hook(lambda *a, **k: self.invalidate_cache())
 
@@ -201,6 +210,16 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return ProactiveEBCContext()
 
     # ------------------------------------------------------------------ hooks
+    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Any:  # type: ignore[override]
+        """Validates the batch on the rank that owns it, then TorchRec's input all-to-all.
+
+        Bad ids must be caught before they are bucketised and sent: after the all-to-all
+        the receiving rank no longer knows which feature or sample they came from.
+        """
+        if isinstance(features, KeyedJaggedTensor):
+            self._validator.check(features)
+        return super().input_dist(ctx, features)
+
     def prefetch(
         self,
         dist_input: KJTList,
@@ -224,6 +243,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             fetch = self._issue(input, getattr(ctx, "batch_index", None))
         if fetch is not None:
             ctx.fetch = None  # type: ignore[attr-defined]
+            self._consumed = [f for f in self._consumed if not f.released] + [fetch]
             lookup_started = time.perf_counter()
             stall = self._fetch_engine.wait(fetch.ticket)
             self._account(fetch, stall, lookup_started)
@@ -282,6 +302,21 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             )
 
     # ------------------------------------------------------------------ public helpers
+    def release_unfinished(self) -> int:
+        """Unpins the rows of batches whose lookup ran but whose update never will (an
+        exception between forward and the end of backward). Returns the plans released."""
+        released = 0
+        for fetch in self._consumed:
+            for group in fetch.groups:
+                for tb in group.table_batches:
+                    if not tb.plan.released:
+                        tb.table.release(tb.plan)
+                        released += 1
+        self._consumed = []
+        for kernel in self._proactive_kernels:
+            kernel.unbind()
+        return released
+
     @property
     def fetch_engine(self) -> FetchEngine:
         return self._fetch_engine

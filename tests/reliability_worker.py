@@ -1,0 +1,179 @@
+"""Rank-side code of the reliability tests: bad input, faults, recovery."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+from torchrec import KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from torchrec_proactive import ProactiveTrainPipeline
+
+from .exactness_worker import _params, _run
+from .pipeline_worker import FUSED, _proactive
+from .sparse_model import SparseModel, make_batch, make_tables
+
+
+def _with_ids(batch: Batch, feature: str, position: int, value: int) -> Batch:
+    kjt = batch.sparse_features
+    values = kjt.values().clone()
+    start = int(kjt.offset_per_key()[kjt.keys().index(feature)])
+    values[start + position] = value
+    new = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+    return Batch(dense_features=batch.dense_features, sparse_features=new, labels=batch.labels)
+
+
+def _empty_for(tables, batch_size: int, seed: int) -> Batch:
+    b = make_batch(tables, batch_size, seed=seed)
+    keys = b.sparse_features.keys()
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.int64),
+                            lengths=torch.zeros(len(keys) * batch_size, dtype=torch.int64))
+    return Batch(dense_features=b.dense_features, sparse_features=kjt, labels=b.labels)
+
+
+def bad_ids(rank: int, world_size: int, sharding: str, value: int, only_rank: Optional[int] = None) -> Dict[str, Any]:
+    """A bad id in batch 3 (on every rank, or only on ``only_rank``)."""
+    tables = make_tables(3, rows=300, dim=8)
+    dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), sharding=sharding, cache_load_factor=1.0)
+    batches = [make_batch(tables, 8, seed=rank * 10 + i) for i in range(6)]
+    if only_rank is None or rank == only_rank:
+        batches[3] = _with_ids(batches[3], "f1", 2, value)
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=1)
+    it = iter(batches)
+    done = 0
+    try:
+        while True:
+            pipe.progress(it)
+            done += 1
+    except StopIteration:
+        return {"error": None, "done": done}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        if only_rank is not None:
+            raise  # the other rank is already inside a collective: the job must fail
+        before = {k: v.clone() for k, v in _params(dmp).items()}
+        pipe.reset()
+        dmp.module.ebc.check_invariants(expect_drained=True)
+        # Training continues on good batches after the refusal.
+        more = _run(pipe, [make_batch(tables, 8, seed=100 + rank * 10 + i) for i in range(3)])
+        dmp.module.ebc.check_invariants(expect_drained=True)
+        return {"error": f"{type(e).__name__}: {e}", "done": done, "continued": len(more),
+                "params_intact": all(torch.isfinite(v).all() for v in before.values())}
+
+
+def recovery_is_exact(rank: int, world_size: int) -> Dict[str, Any]:
+    """A refused batch (NaN dense features) is skipped; the run equals one that never saw it."""
+    tables = make_tables(3, rows=300, dim=8)
+    seed_state = SparseModel(tables).state_dict()
+    good = [make_batch(tables, 8, seed=rank * 10 + i) for i in range(8)]
+    poisoned = list(good[:4]) + [copy.copy(good[4])] + list(good[5:])
+    poisoned[4] = Batch(dense_features=torch.full_like(good[4].dense_features, float("nan")),
+                        sparse_features=good[4].sparse_features, labels=good[4].labels)
+    dmp, opt = _proactive(tables, seed_state, cache_load_factor=0.5)
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    it = iter(poisoned)
+    trained: List[int] = []
+    error = None
+    # with depth 2 the pipeline holds batches N..N+3; the NaN batch (index 4) is refused on enqueue
+    try:
+        while True:
+            pipe.progress(it)
+            trained.append(len(trained))
+    except StopIteration:
+        pass
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    n_before = len(trained)
+    pipe.reset()  # in-flight batches are dropped, not half-trained
+    rest = list(it)
+    _run(pipe, rest)
+    # Reference: exactly the batches that were trained, in order, never seeing the bad one.
+    ref, ref_opt = _proactive(tables, seed_state, cache_load_factor=0.5)
+    _run(ProactiveTrainPipeline(ref, ref_opt, torch.device("cpu"), prefetch_depth=2), good[:n_before] + rest)
+    ours, theirs = _params(dmp), _params(ref)
+    return {"error": error, "trained_before": n_before, "rest": len(rest),
+            "equal": all(torch.equal(ours[k], theirs[k]) for k in ours)}
+
+
+def empty_batches(rank: int, world_size: int) -> Dict[str, Any]:
+    """Fully empty batches, and a rank that gets no ids at all, train like stock TorchRec."""
+    tables = make_tables(3, rows=300, dim=8)
+    seed_state = SparseModel(tables).state_dict()
+    batches = [make_batch(tables, 8, seed=rank * 10 + i) for i in range(6)]
+    batches[2] = _empty_for(tables, 8, seed=50)  # empty everywhere
+    if rank == 1:
+        batches = [_empty_for(tables, 8, seed=60 + i) if i % 2 else b for i, b in enumerate(batches)]
+    dmp, opt = _proactive(tables, seed_state, sharding="row_wise", cache_load_factor=0.5)
+    out = _run(ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2), batches)
+    dmp.module.ebc.check_invariants(expect_drained=True)
+    from torchrec_proactive.planning import build_plan, combined_optimizer, shard_model
+
+    sharder = EmbeddingBagCollectionSharder(fused_params=dict(FUSED))
+    torch.manual_seed(0)
+    model = SparseModel(tables)
+    stock = shard_model(model, sharder, build_plan(model, sharder, "row_wise", kernel="fused"), torch.device("cpu"))
+    stock.load_state_dict(copy.deepcopy(seed_state))
+    sopt = combined_optimizer(stock, lambda p: torch.optim.SGD(p, lr=0.05))
+    ref = _run(TrainPipelineSparseDist(stock, sopt, torch.device("cpu")), batches)
+    a, b = _params(dmp), _params(stock)
+    return {"n": len(out), "max_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+            "out_diff": max(float((x - y).abs().max()) for x, y in zip(out, ref))}
+
+
+def capacity_too_small(rank: int, world_size: int) -> Dict[str, Any]:
+    tables = make_tables(2, rows=1000, dim=8)
+    dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), sharding="table_wise", num_slots={"t0": 40, "t1": 40})
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=4)
+    _run(pipe, [make_batch(tables, 16, seed=rank * 10 + i, zipf=0.5) for i in range(8)])
+    return {}
+
+
+def mismatched_depths(rank: int, world_size: int) -> Dict[str, Any]:
+    tables = make_tables(2, rows=200, dim=8)
+    dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), cache_load_factor=1.0)
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=1 + rank)
+    _run(pipe, [make_batch(tables, 8, seed=i) for i in range(4)])
+    return {}
+
+
+def dies_mid_training(rank: int, world_size: int, victim: int = 1) -> Dict[str, Any]:
+    tables = make_tables(2, rows=200, dim=8)
+    dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), cache_load_factor=1.0)
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    it = iter([make_batch(tables, 8, seed=rank * 100 + i) for i in range(50)])
+    for step in range(50):
+        if rank == victim and step == 5:
+            os._exit(3)  # the rank vanishes mid-training, as kill -9 would
+        pipe.progress(it)
+    return {}
+
+
+def dataloader_fails(rank: int, world_size: int) -> Dict[str, Any]:
+    tables = make_tables(2, rows=200, dim=8)
+    dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), cache_load_factor=0.6)
+    batches = [make_batch(tables, 8, seed=rank * 10 + i) for i in range(10)]
+
+    def loader():
+        for i, b in enumerate(batches):
+            if i == 4:
+                raise RuntimeError("dataloader worker crashed")
+            yield b
+
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    it = loader()
+    error = None
+    try:
+        while True:
+            pipe.progress(it)
+    except RuntimeError as e:
+        error = str(e)
+    except StopIteration:
+        pass
+    pipe.reset()
+    dmp.module.ebc.check_invariants(expect_drained=True)
+    pins = sum(int(t.pins.sum()) for t in dmp.module.ebc.named_tables().values())
+    return {"error": error, "pins": pins}

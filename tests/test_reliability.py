@@ -1,0 +1,134 @@
+"""Bad input, faults and recovery: clear errors, no hangs, nothing lost."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from torchrec_proactive.integration.validation import InputValidator
+from torchrec_proactive.launch import RankFailure, run_ranks
+from torchrec_proactive.store import IdOutOfRangeError, InvalidInputError
+
+from . import reliability_worker as rw
+
+CONFIGS = [
+    EmbeddingBagConfig(name="users", embedding_dim=8, num_embeddings=100, feature_names=["user", "friend"]),
+    EmbeddingBagConfig(name="items", embedding_dim=8, num_embeddings=50, feature_names=["item"]),
+]
+
+
+def kjt(values, lengths, keys=("user", "friend", "item"), weights=None):
+    vals = torch.tensor(values) if values else torch.zeros(0, dtype=torch.int64)
+    return KeyedJaggedTensor(keys=list(keys), values=vals, lengths=torch.tensor(lengths),
+                             weights=None if weights is None else torch.tensor(weights))
+
+
+# ---------------------------------------------------------------------- unit: validator
+@pytest.mark.parametrize(
+    "values,lengths,pattern",
+    [
+        ([1, 2, 3, 50], [1, 1, 1, 0, 0, 1], r"feature 'item' \(table 'items'\): id 50 is out of range \[0, 50\) in sample 1"),
+        ([1, -4, 3], [1, 1, 1, 0, 0, 0], r"feature 'user' \(table 'users'\): id -4 is out of range \[0, 100\) in sample 1"),
+        ([1, 2, 100], [0, 1, 1, 1, 0, 0], r"feature 'friend' \(table 'users'\): id 100 is out of range \[0, 100\)"),
+    ],
+)
+def test_out_of_range_ids_name_feature_table_value_limit_and_sample(values, lengths, pattern):
+    with pytest.raises(IdOutOfRangeError, match=pattern):
+        InputValidator(CONFIGS).check(kjt(values, lengths))
+
+
+def test_malformed_batches_are_refused():
+    v = InputValidator(CONFIGS)
+    with pytest.raises(InvalidInputError, match="lengths add up to 3 but it holds 2 ids"):
+        v.check(kjt([1, 2], [1, 1, 1, 0, 0, 0]))
+    with pytest.raises(InvalidInputError, match="not fed to any table"):
+        v.check(kjt([1], [1, 0], keys=("user", "ghost")))
+    with pytest.raises(InvalidInputError, match="NaN or Inf"):
+        v.check(kjt([1, 2], [1, 1, 0, 0, 0, 0], weights=[1.0, float("nan")]))
+    with pytest.raises(InvalidInputError, match="integers"):
+        v.check(kjt([1.0], [1, 0, 0, 0, 0, 0]))
+    v.check(kjt([], [0, 0, 0, 0, 0, 0]))  # empty batches are fine
+    v.check(kjt([99, 0, 49], [1, 1, 1, 0, 0, 0]))
+
+
+def test_plan_naming_unknown_tables_is_refused():
+    from torchrec.distributed.types import ParameterSharding
+
+    from tests.sparse_model import SparseModel, make_tables
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder
+    from torchrec_proactive.planning import build_plan
+
+    model = SparseModel(make_tables(2, rows=50, dim=8))
+    sharder = ProactiveEmbeddingBagCollectionSharder()
+    ps = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_uvm_caching", ranks=[0])
+    with pytest.raises(ValueError, match=r"names tables \['nope'\].*it has \['t0', 't1'\]"):
+        sharder._mark_cached_tables(model.ebc, {"t0": ps, "nope": ps})
+    with pytest.raises(ValueError, match=r"unknown tables \['nope'\]"):
+        build_plan(model, sharder, {"nope": "row_wise"}, world_size=2)
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        from torchrec_proactive import ProactiveTrainPipeline
+
+        ProactiveTrainPipeline(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), prefetch_depth=-1)
+    with pytest.raises(ValueError, match="cache_load_factor"):
+        ProactiveEmbeddingBagCollectionSharder(cache_load_factor=0.0)
+
+
+# ---------------------------------------------------------------------- 2 ranks
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sharding,value", [("table_wise", 300), ("row_wise", -1), ("row_wise", 10**6)])
+def test_bad_id_is_refused_before_it_is_sent_and_training_continues(sharding, value):
+    for res in run_ranks(rw.bad_ids, world_size=2, sharding=sharding, value=value):
+        assert res["error"] is not None and "IdOutOfRangeError" in res["error"]
+        assert f"id {value} is out of range [0, 300)" in res["error"] and "table 't1'" in res["error"]
+        assert res["continued"] == 3 and res["params_intact"]
+
+
+@pytest.mark.multiprocess
+def test_bad_id_on_one_rank_fails_the_job_fast():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 0 failed:[\s\S]*feature 'f1' \(table 't1'\): id 999"):
+        run_ranks(rw.bad_ids, world_size=2, timeout_s=120, sharding="row_wise", value=999, only_rank=0)
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.multiprocess
+def test_nan_dense_batch_is_refused_and_recovery_is_exact():
+    for res in run_ranks(rw.recovery_is_exact, world_size=2):
+        assert res["error"] and "batch 4" in res["error"] and "NaN or Inf" in res["error"]
+        assert res["equal"], res
+
+
+@pytest.mark.multiprocess
+def test_empty_batches_and_a_rank_without_ids_match_stock():
+    for res in run_ranks(rw.empty_batches, world_size=2):
+        assert res["n"] == 6 and res["max_diff"] < 1e-5 and res["out_diff"] < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_cache_too_small_for_depth_names_table_numbers_and_a_depth_that_fits():
+    with pytest.raises(RankFailure, match=r"CacheCapacityError: table 't\d'.*40 slots.*prefetch_depth=4.*(prefetch_depth <= \d would fit|no prefetch depth fits)"):
+        run_ranks(rw.capacity_too_small, world_size=2, timeout_s=120)
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_different_depths_fail_clearly_instead_of_hanging():
+    with pytest.raises(RankFailure, match=r"ranks disagree on the pipeline.*prefetch_depth="):
+        run_ranks(rw.mismatched_depths, world_size=2, timeout_s=120)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_mid_training_fails_the_job_fast():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 died with exit code 3"):
+        run_ranks(rw.dies_mid_training, world_size=2, timeout_s=120, pg_timeout_s=30)
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.multiprocess
+def test_failing_dataloader_drains_without_leaking_pins():
+    for res in run_ranks(rw.dataloader_fails, world_size=2):
+        assert res == {"error": "dataloader worker crashed", "pins": 0}
