@@ -21,7 +21,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -176,6 +176,16 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 )
                 modules[g] = kernel
                 self._proactive_kernels.append(kernel)
+        # Per lookup: how its KJT splits into groups, and which groups are ours (the hot
+        # path reads this instead of walking the lookups).
+        self._group_layout: List[Tuple[List[int], List[Optional[ProactiveEmbeddingBag]]]] = []
+        for lookup, sharding in zip(self._lookups, self._embedding_shardings):
+            if isinstance(sharding, DpPooledEmbeddingSharding):
+                self._group_layout.append(([], []))
+                continue
+            splits = [c.num_features() for c in lookup.grouped_configs]
+            kernels = [m if isinstance(m, ProactiveEmbeddingBag) else None for m in lookup._emb_modules]
+            self._group_layout.append((splits, kernels))
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,
@@ -260,14 +270,12 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return None
         groups: List[PlannedGroup] = []
         try:
-            for lookup, features in zip(self._lookups, dist_input):
-                kernels = [m for m in getattr(lookup, "_emb_modules", []) if isinstance(m, ProactiveEmbeddingBag)]
-                if not kernels:
+            for (splits, kernels), features in zip(self._group_layout, dist_input):
+                if not any(k is not None for k in kernels):
                     continue
-                splits = [c.num_features() for c in lookup.grouped_configs]
-                for module, group_features in zip(lookup._emb_modules, features.split(splits)):
-                    if isinstance(module, ProactiveEmbeddingBag):
-                        groups.append(module.plan_batch(group_features))
+                for kernel, group_features in zip(kernels, features.split(splits)):
+                    if kernel is not None:
+                        groups.append(kernel.plan_batch(group_features))
         except Exception:
             for group in groups:  # undo the pins of the groups that were planned
                 for tb in group.table_batches:
