@@ -66,6 +66,9 @@ def test_plan_naming_unknown_tables_is_refused():
     ps = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_uvm_caching", ranks=[0])
     with pytest.raises(ValueError, match=r"names tables \['nope'\].*it has \['t0', 't1'\]"):
         sharder._mark_cached_tables(model.ebc, {"t0": ps, "nope": ps})
+    grid = ParameterSharding(sharding_type="grid_shard", compute_kernel="fused_uvm_caching", ranks=[0, 1])
+    with pytest.raises(ValueError, match=r"table 't1': sharding type 'grid_shard' is not supported.*supported:"):
+        sharder._mark_cached_tables(model.ebc, {"t0": ps, "t1": grid})
     with pytest.raises(ValueError, match=r"unknown tables \['nope'\]"):
         build_plan(model, sharder, {"nope": "row_wise"}, world_size=2)
     with pytest.raises(ValueError, match="prefetch_depth"):

@@ -16,6 +16,10 @@ from .options import ProactiveOptions
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 
 _CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+# The sharding types proven exact against stock TorchRec by the 2-rank tests.
+_SUPPORTED_SHARDING = frozenset(
+    t.value for t in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_ROW_WISE)
+)
 
 
 class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -109,6 +113,11 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
         out: Dict[str, ParameterSharding] = {}
         for name, ps in params.items():
+            if ps.compute_kernel == _CACHED and ps.sharding_type not in _SUPPORTED_SHARDING:
+                raise ValueError(
+                    f"table '{name}': sharding type {ps.sharding_type!r} is not supported for proactive "
+                    f"(fused_uvm_caching) tables; supported: {sorted(_SUPPORTED_SHARDING)}"
+                )
             if ps.compute_kernel == _CACHED:
                 cache = ps.cache_params or CacheParams()
                 cache = dataclasses.replace(
