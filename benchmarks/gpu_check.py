@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-from collections import deque
 from typing import Any, Dict, List
 
 import torch
@@ -31,11 +30,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchrec_proactive.fetch import FetchEngine, make_transport  # noqa: E402
+from torchrec_proactive.fetch.lookahead import run_lookahead  # noqa: E402
 from torchrec_proactive.store import (  # noqa: E402
     OptimizerConfig,
     OptimType,
     TieredTable,
-    plan_table_batch,
     pooled_lookup,
 )
 
@@ -65,7 +64,7 @@ def check_exactness(device: torch.device, steps: int) -> Dict[str, Any]:
     batches = []
     for _ in range(steps):
         values = zipf_ids(rows, bags * per_bag, 1.05, g)
-        batches.append((values, torch.arange(0, bags * per_bag + 1, per_bag), torch.randn(bags, dim, generator=g)))
+        batches.append((values, torch.arange(0, bags * per_bag + 1, per_bag), None, torch.randn(bags, dim, generator=g)))
     results = {}
     for name, dev, depth in (("cpu_depth0", torch.device("cpu"), 0), (f"{device.type}_depth2", device, 2)):
         host = init.clone().pin_memory() if dev.type == "cuda" else init.clone()
@@ -85,30 +84,18 @@ def check_exactness(device: torch.device, steps: int) -> Dict[str, Any]:
 
 
 def run_loop(table, engine, anchor, batches, depth, dev, mlp=None) -> List[torch.Tensor]:
-    in_flight: deque = deque()
     outs = []
 
-    def issue(i: int) -> None:
-        values, offsets, grad = batches[i]
-        tb = plan_table_batch(table, values, offsets, depth_hint=depth)
-        in_flight.append((tb, engine.issue([tb.plan]), grad))
-
-    for i in range(min(depth, len(batches))):
-        issue(i)
-    for i in range(len(batches)):
-        if depth == 0:
-            issue(i)
-        elif i + depth < len(batches):
-            issue(i + depth)
-        tb, ticket, grad = in_flight.popleft()
-        engine.wait(ticket)
+    def consume(i, tb, batch):
+        grad = batch[3]
         out = pooled_lookup(tb, anchor)
         if mlp is not None:
-            loss = mlp(out).square().mean()
-            loss.backward()
+            mlp(out).square().mean().backward()
         else:
             out.backward(grad.to(dev, non_blocking=True))
         outs.append(out.detach().cpu() if mlp is None else out.detach())
+
+    run_lookahead(table, engine, batches, depth, consume)
     return outs
 
 
@@ -181,32 +168,32 @@ def interference(device: torch.device, reps: int = 30) -> Dict[str, float]:
     return {"matmul_alone_ms": 1e3 * alone, "matmul_while_fetching_ms": 1e3 * together, "slowdown": together / alone}
 
 
-def stall(device: torch.device, steps: int, depth: int) -> Dict[str, float]:
+def stall(device: torch.device, steps: int, depth: int, rows: int, dim: int, bags: int, per_bag: int,
+          width: int) -> Dict[str, float]:
+    """Synthetic training loop (lookup + MLP + fused update): step and stall at depth 0 vs k."""
     cfg = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01)
-    rows, dim, bags, per_bag = 4_000_000, 128, 8192, 8
     g = torch.Generator().manual_seed(3)
-    batches = [(zipf_ids(rows, bags * per_bag, 0.9, g), torch.arange(0, bags * per_bag + 1, per_bag), None)
+    batches = [(zipf_ids(rows, bags * per_bag, 0.9, g), torch.arange(0, bags * per_bag + 1, per_bag), None, None)
                for _ in range(steps)]
-    width = 2048 if device.type == "cuda" else 128
     mlp = torch.nn.Sequential(torch.nn.Linear(dim, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
                               torch.nn.ReLU(), torch.nn.Linear(width, 1)).to(device)
-    out = {}
+    out: Dict[str, float] = {}
     host = host_tensor((rows, dim), device)
+    warm = min(3, steps - 1)
     for k in (0, depth):
-        table = TieredTable("s", host, cfg, num_slots=(k + 1) * bags * per_bag + 100_000, device=device)
+        table = TieredTable("s", host, cfg, num_slots=(k + 1) * bags * per_bag + rows // 20, device=device)
         engine = FetchEngine(make_transport(device))
         anchor = torch.empty(0, device=device, requires_grad=True)
-        run_loop(table, engine, anchor, batches[:3], k, device, mlp=mlp)  # warm-up
+        run_loop(table, engine, anchor, batches[:warm], k, device, mlp=mlp)
         engine.drain()
         sync(device)
         engine.stats.stall_s = 0.0
         t0 = time.perf_counter()
-        run_loop(table, engine, anchor, batches[3:], k, device, mlp=mlp)
+        run_loop(table, engine, anchor, batches[warm:], k, device, mlp=mlp)
         engine.drain()
         sync(device)
-        elapsed = time.perf_counter() - t0
-        n = len(batches) - 3
-        out[f"depth{k}_step_ms"] = 1e3 * elapsed / n
+        n = steps - warm
+        out[f"depth{k}_step_ms"] = 1e3 * (time.perf_counter() - t0) / n
         out[f"depth{k}_stall_ms"] = 1e3 * engine.stats.stall_s / n
         engine.close()
     out["speedup"] = out["depth0_step_ms"] / out[f"depth{depth}_step_ms"]
@@ -233,12 +220,10 @@ def main() -> int:
     print(f"[gpu_check] bandwidth {res['bandwidth']}", flush=True)
     res["interference"] = interference(device, reps=5 if small else 30)
     print(f"[gpu_check] interference {res['interference']}", flush=True)
-    if small:
-        # the CPU dry run keeps the same code path on a smaller table
-        global_rows = 200_000
-        res["stall"] = _small_stall(device, steps, args.depth, global_rows)
+    if small:  # the CPU dry run keeps the same code path on a smaller table
+        res["stall"] = stall(device, steps, args.depth, rows=200_000, dim=64, bags=1024, per_bag=4, width=256)
     else:
-        res["stall"] = stall(device, steps, args.depth)
+        res["stall"] = stall(device, steps, args.depth, rows=4_000_000, dim=128, bags=8192, per_bag=8, width=2048)
     res["elapsed_s"] = time.perf_counter() - t_start
     if args.json:
         with open(args.json, "w") as f:
@@ -253,31 +238,6 @@ def main() -> int:
     print(f"| stall depth 0 / depth {args.depth} | {s['depth0_stall_ms']:.2f} / {s[f'depth{args.depth}_stall_ms']:.2f} ms/step |")
     print(f"| wall time | {res['elapsed_s']:.0f} s |")
     return 0 if res["exactness"]["ok"] else 1
-
-
-def _small_stall(device: torch.device, steps: int, depth: int, rows: int) -> Dict[str, float]:
-    """The stall check on a small table (quick mode / CPU dry run)."""
-    cfg = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01)
-    dim, bags, per_bag = 64, 1024, 4
-    g = torch.Generator().manual_seed(3)
-    batches = [(zipf_ids(rows, bags * per_bag, 0.9, g), torch.arange(0, bags * per_bag + 1, per_bag), None)
-               for _ in range(steps)]
-    mlp = torch.nn.Sequential(torch.nn.Linear(dim, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).to(device)
-    out = {}
-    host = host_tensor((rows, dim), device)
-    for k in (0, depth):
-        table = TieredTable("s", host, cfg, num_slots=(k + 1) * bags * per_bag + 1000, device=device)
-        engine = FetchEngine(make_transport(device))
-        anchor = torch.empty(0, device=device, requires_grad=True)
-        t0 = time.perf_counter()
-        run_loop(table, engine, anchor, batches, k, device, mlp=mlp)
-        engine.drain()
-        sync(device)
-        out[f"depth{k}_step_ms"] = 1e3 * (time.perf_counter() - t0) / steps
-        out[f"depth{k}_stall_ms"] = 1e3 * engine.stats.stall_s / steps
-        engine.close()
-    out["speedup"] = out["depth0_step_ms"] / out[f"depth{depth}_step_ms"]
-    return out
 
 
 if __name__ == "__main__":

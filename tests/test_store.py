@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrec_proactive.fetch import EmulatedLinkTransport, FetchEngine, InlineTransport, LinkModel
+from torchrec_proactive.fetch.lookahead import run_lookahead
 from torchrec_proactive.store import (
     CacheCapacityError,
     IdOutOfRangeError,
@@ -76,28 +76,17 @@ def train_store(table: TieredTable, engine: FetchEngine, batches, depth: int, mo
                 check: bool = True) -> List[torch.Tensor]:
     """Runs the batches with fetches issued ``depth`` batches ahead (0 = at lookup time)."""
     anchor = torch.empty(0, requires_grad=True)
-    in_flight: deque = deque()
     outs = []
 
-    def issue(i: int) -> None:
-        values, offsets, psw, grad = batches[i]
-        tb = plan_table_batch(table, values, offsets, mode, depth_hint=depth)
-        in_flight.append((tb, engine.issue([tb.plan], tag=i), psw, grad))
-
-    for i in range(min(depth, len(batches))):
-        issue(i)
-    for i in range(len(batches)):
-        if depth == 0:
-            issue(i)
-        elif i + depth < len(batches):
-            issue(i + depth)
-        tb, ticket, psw, grad = in_flight.popleft()
-        engine.wait(ticket)
+    def consume(i, tb, batch):
+        _, _, psw, grad = batch
         out = pooled_lookup(tb, anchor, psw)
         out.backward(grad)
         outs.append(out.detach())
         if check:
             table.check_invariants()
+
+    run_lookahead(table, engine, [(v, o, p, g) for v, o, p, g in batches], depth, consume, mode)
     engine.drain()
     table.check_invariants(expect_drained=True)
     return outs
