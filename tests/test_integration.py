@@ -74,3 +74,9 @@ def test_state_dict_round_trip_with_stock_torchrec(sharding):
     for res in run_ranks(pipeline_worker.state_dict_interop, world_size=2, sharding=sharding):
         assert res["to_stock"] and res["shapes_match"]
         assert res["from_stock_pred_diff"] < 1e-6
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_model_and_optimizer_state_dicts_resume_bit_identically(optimizer):
+    for res in run_ranks(pipeline_worker.checkpoint_resume, world_size=2, optimizer=optimizer):
+        assert res["outputs_equal"] and res["params_equal"], res

@@ -59,8 +59,10 @@ class ProactiveFusedOptimizer(FusedOptimizer):
     learning rate from ``param_groups`` (so LR schedulers work) into the tables.
 
     ``state`` maps each table's weight to its host-tier optimizer state (``momentum1``,
-    ``momentum2``, ``step``), flushed before it is read and reloaded into the cache after
-    ``load_state_dict``.
+    ``momentum2``, ``step``): the very tensors the tables use, so TorchRec's
+    ``CombinedOptimizer`` saves and loads them in place. Reading ``state`` first flushes
+    dirty cached rows to the host tier; ``post_load_state_dict`` (TorchRec's hook, called
+    after a load) drops the caches so the loaded values are what the next batch sees.
     """
 
     def __init__(self, kernel: "ProactiveEmbeddingBag") -> None:
@@ -68,44 +70,31 @@ class ProactiveFusedOptimizer(FusedOptimizer):
         params: Dict[str, torch.Tensor] = {}
         state: Dict[Any, Any] = {}
         for key, table in kernel.named_tables():
-            weight = table.host_weight
-            params[f"{key}.weight"] = weight
+            params[f"{key}.weight"] = table.host_weight
             st = {f"{key}.{name}": tensor for name, tensor in table.host_state.items()}
-            st[f"{key}.step"] = torch.tensor(float(table.step))
-            state[weight] = st
+            st[f"{key}.step"] = table.steps
+            state[table.host_weight] = st
         opt = kernel.optimizer_config
-        group = {
-            "params": list(params.values()),
-            "lr": opt.learning_rate,
-            "eps": opt.eps,
-            "optimizer": opt.optim.value,
-        }
+        group = {"params": list(params.values()), "lr": opt.learning_rate, "eps": opt.eps, "optimizer": opt.optim.value}
         super().__init__(params, state, [group])
 
+    @property  # type: ignore[override]
+    def state(self) -> Dict[Any, Any]:
+        self._kernel.flush()
+        return self._state
+
+    @state.setter
+    def state(self, value: Dict[Any, Any]) -> None:
+        self._state = value
+
     def step(self, closure: Any = None) -> None:
-        lr = float(self.param_groups[0]["lr"])
-        self._kernel.set_learning_rate(lr)
+        self._kernel.set_learning_rate(float(self.param_groups[0]["lr"]))
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass
 
-    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
-        self._kernel.flush()
-        for _, table in self._kernel.named_tables():
-            for key, value in self.state[table.host_weight].items():
-                if key.endswith(".step"):
-                    value.fill_(float(table.step))
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
-        # Flush first so the weights' dirty rows survive; then the host tier holds the
-        # loaded state and the cache must be dropped (it would shadow the loaded values).
-        self._kernel.flush()
-        super().load_state_dict(state_dict)
-        for _, table in self._kernel.named_tables():
-            for key, value in self.state[table.host_weight].items():
-                if key.endswith(".step"):
-                    table.step = int(value.item())
+    def post_load_state_dict(self) -> None:
+        super().post_load_state_dict()
         self._kernel.invalidate()
 
 

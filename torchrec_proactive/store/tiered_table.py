@@ -157,8 +157,9 @@ class TieredTable:
                 pin = self.device.type == "cuda"
                 given = torch.zeros(want, dtype=torch.float32, pin_memory=pin)
             self.host_state[key] = given
-        # Adam's bias correction counts steps per table; it is saved with the state.
-        self.step = 0
+        # Optimizer steps taken on this table (Adam's bias correction). A tensor, so that the
+        # optimizer state handed to checkpoints *is* the counter, never a copy of it.
+        self.steps = torch.zeros((), dtype=torch.int64)
         self._shard = _ShardInfo(name, row_offset, global_rows)
 
         dtype = host_weight.dtype
@@ -181,7 +182,25 @@ class TieredTable:
         self.stats = TableStats()
         self._in_flight = 0  # plans issued and not yet released
         self._hot_rows = None if hot_rows is None else torch.unique(hot_rows.to(torch.int64))
-        self._load_hot_rows()
+        if self._hot_rows is not None:
+            self.validate_rows(self._hot_rows)
+            if self._hot_rows.numel() >= self.num_slots:
+                raise CacheCapacityError(
+                    f"table '{name}': {self._hot_rows.numel()} permanently hot rows leave no slot for cold "
+                    f"rows in a cache of {self.num_slots} slots"
+                )
+        # Rows that are resident from the start (hot rows, or every row of a full cache) are
+        # copied in at the first plan, not now: the host tier may still be loaded (weights,
+        # then optimizer state) before training starts, and the cache must see the result.
+        self._preload_pending = True
+
+    @property
+    def step(self) -> int:
+        return int(self.steps)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.steps.fill_(int(value))
 
     # ------------------------------------------------------------------ planning
     def validate_rows(self, rows: torch.Tensor) -> None:
@@ -209,6 +228,8 @@ class TieredTable:
         slots that no in-flight batch pins. ``depth_hint`` only improves that message.
         """
         self.validate_rows(rows)
+        if self._preload_pending:
+            self._preload()
         slots = self.row_to_slot[rows]
         hit = slots >= 0
         n_miss = int(rows.numel()) - int(hit.sum())
@@ -312,8 +333,8 @@ class TieredTable:
         slots = plan.slots.to(self.device)
         weight = self.cache_weight[slots]
         state = {k: v[slots] for k, v in self.cache_state.items()}
-        self.step += 1
-        apply_row_update(self.optimizer, weight, row_grads.to(weight.dtype), state, self.step)
+        self.steps += 1
+        apply_row_update(self.optimizer, weight, row_grads.to(weight.dtype), state, int(self.steps))
         self.cache_weight[slots] = weight
         for k, v in state.items():
             self.cache_state[k][slots] = v
@@ -354,9 +375,10 @@ class TieredTable:
         self.slot_to_row.fill_(-1)
         self.dirty.fill_(False)
         self.permanent.fill_(False)
-        self._load_hot_rows()
+        self._preload_pending = True
 
-    def _load_hot_rows(self) -> None:
+    def _preload(self) -> None:
+        self._preload_pending = False
         if self.num_slots >= self.num_rows and self.num_rows:
             # A cache as large as the table holds every row from the start (row i in slot
             # i), as a resident table would: no compulsory misses, no victim search.
@@ -368,12 +390,6 @@ class TieredTable:
         if self._hot_rows is None or self._hot_rows.numel() == 0:
             return
         hot = self._hot_rows
-        self.validate_rows(hot)
-        if hot.numel() >= self.num_slots:
-            raise CacheCapacityError(
-                f"table '{self.name}': {hot.numel()} permanently hot rows leave no slot for cold "
-                f"rows in a cache of {self.num_slots} slots"
-            )
         slots = torch.arange(hot.numel(), dtype=torch.int64)
         self.slot_to_row[slots] = hot
         self.row_to_slot[hot] = slots
