@@ -56,9 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(c, default_nproc=2)
     c.set_defaults(func=cmd_compare)
 
-    b = sub.add_parser("bench", help="benchmarks (torchrec_proactive.bench.runner)", add_help=False)
-    b.add_argument("args", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
+    # `bench` hands every argument (--help included) to the runner; see main().
+    sub.add_parser("bench", help="benchmarks (torchrec_proactive.bench.runner; `bench --help`)", add_help=False)
     return parser
 
 
@@ -131,7 +130,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(argv: Sequence[str]) -> int:
     try:
         runner = importlib.import_module("torchrec_proactive.bench.runner")
     except ModuleNotFoundError as e:
@@ -143,13 +142,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import inspect
 
     if inspect.signature(runner.main).parameters:
-        return int(runner.main(args.args) or 0)
-    sys.argv = ["torchrec-proactive bench", *args.args]
+        return int(runner.main(list(argv)) or 0)
+    sys.argv = ["torchrec-proactive bench", *argv]
     return int(runner.main() or 0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
+    parser = build_parser()
+    # Options may come after overrides (`train experiment=x --nproc 2 prefetch=auto`):
+    # argparse stops filling the positional list at the first option, so collect the rest.
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if not hasattr(args, "overrides") or any(r.startswith("-") for r in rest):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = list(args.overrides) + rest
     return int(args.func(args) or 0)
 
 

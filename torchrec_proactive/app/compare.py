@@ -4,6 +4,7 @@ Both runs start from the same seed, train the same steps on the same batches wit
 same cache sizes (sized for depth k), and differ only in when cold rows are fetched. On
 CPU the host-to-device link is emulated (``link=emulated``), so the table says so. The
 final parameters are compared too: proactive fetching must not change a single bit.
+Each rank holds both models; segments of the two runs alternate.
 """
 
 from __future__ import annotations
@@ -31,36 +32,56 @@ def state_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+INTERLEAVE_STEPS = 10
+
+
 def run_compare(cfg: Config) -> Dict[str, Any]:
+    """Trains both modes side by side, alternating segments of ``INTERLEAVE_STEPS`` steps,
+    so that both see the same background load on a shared machine; each is timed only
+    while its own steps run."""
     depth = cfg.prefetch.depth if cfg.prefetch.mode == "fixed" else 2
-    runs = (("reactive", PrefetchConfig(mode="off", depth=0)), ("proactive", PrefetchConfig(mode="fixed", depth=depth)))
+    modes = (("reactive", PrefetchConfig(mode="off", depth=0)), ("proactive", PrefetchConfig(mode="fixed", depth=depth)))
+    trainers = []
+    for label, prefetch in modes:
+        train = replace(cfg.train, output_dir=str(Path(cfg.train.output_dir) / label), save_checkpoints=False,
+                        resume=False)
+        trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train), cache_depth=depth))
+    for t in trainers:
+        t.start()
+    total = trainers[0].total
+    for until in range(INTERLEAVE_STEPS, total + INTERLEAVE_STEPS, INTERLEAVE_STEPS):
+        for t in trainers:
+            t.run(until)
     rows: List[Dict[str, Any]] = []
     digests: List[str] = []
-    for label, prefetch in runs:
-        train = replace(cfg.train, output_dir=str(Path(cfg.train.output_dir) / label), save_checkpoints=False, resume=False)
-        trainer = build_run(replace(cfg, prefetch=prefetch, train=train), cache_depth=depth)
-        summary = trainer.fit()
-        rows.append({"mode": label, "depth": prefetch.depth, "steps": summary.steps, **summary.steady,
-                     "loss": summary.train_loss, "evals": summary.evals})
-        digests.append(state_digest(trainer.dmp))
-        trainer.log.info("%s (depth %d): %s", label, prefetch.depth, rows[-1])
+    for (label, prefetch), t in zip(modes, trainers):
+        summary = t.finish()
+        steady = dict(summary.steady)
+        steady["measured_steps"] = steady.pop("steps", 0)
+        rows.append({"mode": label, "depth": prefetch.depth, "steps": summary.steps, **steady,
+                     "loss": summary.train_loss})
+        digests.append(state_digest(t.dmp))
+        t.log.info("%s (depth %d): %s", label, prefetch.depth, rows[-1])
     same = torch.tensor([int(digests[0] == digests[1])])
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     return {"rows": rows, "identical_parameters": bool(same.item()), "link": describe_link(cfg),
-            "world_size": dist.get_world_size(), "batch_size": cfg.train.batch_size}
+            "world_size": dist.get_world_size(), "batch_size": cfg.train.batch_size,
+            "interleave_steps": INTERLEAVE_STEPS}
 
 
 def format_table(result: Dict[str, Any]) -> str:
     rows = result["rows"]
-    head = f"{'mode':<10} {'depth':>5} {'samples/s':>11} {'ms/step':>9} {'stall ms/step':>14} {'hit rate':>9} {'MB/step':>8}"
+    head = (f"{'mode':<10} {'depth':>5} {'samples/s':>11} {'ms/step':>9} {'stall ms/step':>14} {'hit rate':>9} "
+            f"{'MB/step/rank':>13}")
     lines = [
-        f"link: {result['link']}",
-        f"{result['world_size']} rank(s) x batch {result['batch_size']}; steady state after warm-up steps",
+        f"host-to-device link: {result['link']}",
+        f"{result['world_size']} rank(s) x batch {result['batch_size']}, {rows[0]['steps']} steps each, "
+        f"interleaved every {result['interleave_steps']} steps; timed over the last {rows[0]['measured_steps']}",
         head, "-" * len(head),
     ]
     for r in rows:
         lines.append(f"{r['mode']:<10} {r['depth']:>5} {r['samples_per_s']:>11.0f} {r['step_ms']:>9.2f} "
-                     f"{r['stall_ms_per_step']:>14.2f} {r['hit_rate']:>9.3f} {r['mb_moved_per_step']:>8.3f}")
+                     f"{r['stall_ms_per_step']:>14.2f} {r['hit_rate']:>9.3f} {r['mb_moved_per_step']:>13.3f}")
     speedup = rows[1]["samples_per_s"] / max(rows[0]["samples_per_s"], 1e-9)
     lines.append(f"speedup (proactive / reactive samples/s): {speedup:.2f}x")
     lines.append(f"final parameters bit-identical: {'yes' if result['identical_parameters'] else 'NO'}")

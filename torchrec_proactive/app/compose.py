@@ -47,6 +47,9 @@ def compose_config(overrides: Sequence[str] = (), config_dir: Optional[str] = No
     values out of range.
     """
     register()
+    # `experiment` is in the defaults list (as `experiment: null`), so the canonical form is
+    # `experiment=name`; accept the `+experiment=name` habit from other Hydra projects too.
+    overrides = [o[1:] if o.startswith("+experiment=") else o for o in overrides]
     with initialize_config_dir(config_dir=str(find_config_dir(config_dir)), version_base="1.3"):
         cfg = compose(CONFIG_NAME, overrides=list(overrides))
     _reject_unknown_keys(cfg, Config, "")

@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from ..config.schema import Config
 from .compose import config_hash, diff, flatten
@@ -63,6 +64,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class _TqdmHandler(logging.Handler):
+    """Writes above rank 0's progress bars instead of through them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # a log line must never take training down
+            self.handleError(record)
+
+
 def setup_logging(env: RankEnv, name: str = "torchrec_proactive") -> logging.Logger:
     """Rank 0 logs to stderr and its file; other ranks only to their own file."""
     logger = logging.getLogger(f"{name}.rank{env.rank}")
@@ -76,7 +87,7 @@ def setup_logging(env: RankEnv, name: str = "torchrec_proactive") -> logging.Log
     fh.setFormatter(fmt)
     logger.addHandler(fh)
     if env.is_main:
-        sh = logging.StreamHandler(sys.stderr)
+        sh = _TqdmHandler()
         sh.setFormatter(fmt)
         logger.addHandler(sh)
     return logger

@@ -5,8 +5,12 @@ The loop hands the pipeline one *segment* of batches at a time (``islice`` of th
 iterator) and drives it until it drains. Segment ends are the only places where nothing
 is in flight, so they are where checkpoints are taken, evaluation runs and the depth may
 change: the end of the auto warm-up, every ``checkpoint_every`` steps, the end of an
-epoch and the end of training. Depth never changes the numerics, so neither does where
-the segments end.
+epoch, the end of training, and wherever ``run(until)`` is asked to stop. Depth never
+changes the numerics, so neither does where the segments end.
+
+Throughput is measured on a clock that runs only while this trainer's steps run, so
+evaluation, checkpoints - or another trainer interleaved with this one (``compare``) -
+do not count.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
@@ -24,12 +27,12 @@ import torch
 from tqdm import tqdm
 
 from ..config.schema import Config
-from .autodepth import DepthChoice, agree, cache_depth_limit, choose_depth
-from .checkpoint import Checkpointer, rng_state, set_rng_state, after_optimizer_load, before_optimizer_save
+from .autodepth import agree, cache_depth_limit, choose_depth
+from .checkpoint import Checkpointer, after_optimizer_load, before_optimizer_save, rng_state, set_rng_state
 from .compose import config_hash, flatten
 from .data import Loaders
 from .env import RankEnv
-from .metrics import EvalMetrics, Window, run_pipeline
+from .metrics import Window, evaluate, run_pipeline
 
 
 @dataclass
@@ -43,10 +46,10 @@ class Position:
 
 @dataclass
 class Summary:
-    steps: int
-    depth: int
-    train_loss: float  # mean over the last log window of rank 0
-    steady: Dict[str, float]  # window after the first steps (see Trainer.steady_from)
+    steps: int = 0
+    depth: int = 0
+    train_loss: float = float("nan")  # mean over rank 0's last log window
+    steady: Dict[str, float] = field(default_factory=dict)  # after the first steps (Trainer.steady_from)
     evals: List[Dict[str, Any]] = field(default_factory=list)
     depth_choice: Optional[Dict[str, Any]] = None
     resumed_from: Optional[str] = None
@@ -54,35 +57,43 @@ class Summary:
 
 
 class Trainer:
+    """``fit()`` = ``start()``, ``run(total)``, ``finish()``; ``run`` may be called with
+    increasing ``until`` to interleave several trainers."""
+
     def __init__(self, cfg: Config, env: RankEnv, dmp: torch.nn.Module, optimizer: Any, pipeline: Any,
                  data: Loaders, checkpointer: Optional[Checkpointer], log: logging.Logger) -> None:
         self.cfg, self.env, self.dmp, self.optimizer = cfg, env, dmp, optimizer
         self.pipeline, self.data, self.ckpt, self.log = pipeline, data, checkpointer, log
         self.pos = Position()
-        self.epoch_np_state: Any = None  # numpy RNG at the start of the epoch (batch shuffling)
-        self.total = self._total_steps()
-        # Steady-state window: skip the first steps (lazy init, caches filling).
-        self.steady_from = min(self.pos.step + max(2, self.total // 10), self.total - 1)
-        self.window = Window(env.world_size, cfg.train.batch_size)
-        self.steady = Window(env.world_size, cfg.train.batch_size)
+        self.epoch_np_state: Any = None  # numpy's RNG at the epoch's start (batch shuffling)
+        total = cfg.train.epochs * data.steps_per_epoch
+        self.total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+        self.summary = Summary(depth=pipeline.prefetch_depth)
+        self.clock = 0.0  # seconds spent in this trainer's steps
+        self._mark = 0.0
+        self._batches: Optional[Iterator[Any]] = None
         self._losses: List[float] = []
-        self._last_loss = float("nan")
-        self._metrics = open(env.output_dir / "metrics.jsonl", "a")
-        self.summary = Summary(0, pipeline.prefetch_depth, float("nan"), {})
+        self._window = Window(env.world_size, cfg.train.batch_size)
+        self._steady = Window(env.world_size, cfg.train.batch_size)
+        self._steady_from = 0
+        self._metrics: Any = None
         self._bar: Any = None
         self._auto_pending = False
         self._warmup_start = 0
         self._warm_marks: List[Any] = []
 
-    def _total_steps(self) -> int:
-        total = self.cfg.train.epochs * self.data.steps_per_epoch
-        return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
+    @property
+    def steady_from(self) -> int:
+        """First step of the steady-state window: skips lazy init and cold caches."""
+        remaining = self.total - self.pos.step
+        return min(self.pos.step + max(2, remaining // 10), self.total - 1)
 
     def _record(self, kind: str, **values: Any) -> None:
         self._metrics.write(json.dumps({"kind": kind, **values}) + "\n")
 
-    # ------------------------------------------------------------------ resume
+    # ------------------------------------------------------------------ checkpoints
     def resume(self) -> None:
+        """Continues from the latest complete checkpoint when ``train.resume`` is set."""
         if self.ckpt is None or not self.cfg.train.resume:
             return
         path = self.ckpt.latest()
@@ -100,7 +111,6 @@ class Trainer:
         self.pos = Position(**state["position"])
         self.epoch_np_state = state["epoch_np_state"]
         set_rng_state(state["rng"])
-        self.steady_from = min(self.pos.step + max(2, (self.total - self.pos.step) // 10), self.total - 1)
         self.summary.resumed_from = str(path)
         self.log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.pos.step,
                       self.pos.epoch, self.pos.batch_in_epoch)
@@ -108,7 +118,7 @@ class Trainer:
     def save(self) -> None:
         if self.ckpt is None:
             return
-        model_state = self.dmp.state_dict()
+        model_state = self.dmp.state_dict()  # flushes the caches into the host tier
         before_optimizer_save(self.dmp)
         payload = {
             "model": model_state,
@@ -123,35 +133,49 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> Summary:
-        cfg, pos = self.cfg, self.pos
-        self._bar = tqdm(total=self.total, initial=pos.step, unit="step", desc="train", dynamic_ncols=True,
-                         disable=not (self.env.is_main and cfg.train.progress_bar))
+        self.start()
+        self.run(self.total)
+        return self.finish()
+
+    def start(self) -> None:
+        self._metrics = open(self.env.output_dir / "metrics.jsonl", "a")
+        self._bar = tqdm(total=self.total, initial=self.pos.step, unit="step", desc="train", dynamic_ncols=True,
+                         disable=not (self.env.is_main and self.cfg.train.progress_bar))
         self._start_auto()
-        self.window.reset(pos.step, self.pipeline.stats())
-        self.steady.reset(pos.step, self.pipeline.stats())
-        steps_per_epoch = self.data.steps_per_epoch
-        while pos.step < self.total:
-            batches = self._epoch_batches()
-            while pos.batch_in_epoch < steps_per_epoch and pos.step < self.total:
-                n = self._segment_length()
-                done = run_pipeline(self.pipeline, itertools.islice(batches, n), self._after_step)
-                if done != n:
-                    raise RuntimeError(f"the training loader yielded {done} of {n} batches expected "
-                                       f"(epoch {pos.epoch}, batch {pos.batch_in_epoch})")
-                self._maybe_choose_depth()
-                if cfg.train.checkpoint_every and pos.step % cfg.train.checkpoint_every == 0 \
-                        and pos.batch_in_epoch < steps_per_epoch and pos.step < self.total:
-                    self.save()
-            if pos.batch_in_epoch == steps_per_epoch:
-                pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
-            if cfg.train.eval:
-                self.evaluate()
-            self.save()
+        stats = self.pipeline.stats()
+        self._window.reset(self.pos.step, stats, self.clock)
+        self._steady.reset(self.pos.step, stats, self.clock)
+        self._steady_from = self.steady_from
+
+    def run(self, until: int) -> None:
+        """Trains until step ``min(until, total)``, drained at the end."""
+        cfg, pos = self.cfg, self.pos
+        until = min(until, self.total)
+        while pos.step < until:
+            if self._batches is None:
+                self._batches = self._epoch_batches()
+            n = self._segment_length(until)
+            self._mark = time.perf_counter()
+            done = run_pipeline(self.pipeline, itertools.islice(self._batches, n), self._after_step)
+            if done != n:
+                raise RuntimeError(f"the training loader yielded {done} of {n} batches expected "
+                                   f"(epoch {pos.epoch}, batch {pos.batch_in_epoch})")
+            self._maybe_choose_depth()
+            epoch_done = pos.batch_in_epoch == self.data.steps_per_epoch
+            if epoch_done:
+                pos.epoch, pos.batch_in_epoch, self._batches = pos.epoch + 1, 0, None
+            if epoch_done or pos.step == self.total:
+                if cfg.train.eval:
+                    self.evaluate()
+                self.save()
+            elif cfg.train.checkpoint_every and pos.step % cfg.train.checkpoint_every == 0:
+                self.save()
+
+    def finish(self) -> Summary:
         self._bar.close()
-        self.summary.steps = pos.step
-        self.summary.depth = self.pipeline.prefetch_depth
-        self.summary.train_loss = self._last_loss
         self._metrics.close()
+        self.summary.steps = self.pos.step
+        self.summary.depth = self.pipeline.prefetch_depth
         return self.summary
 
     def _epoch_batches(self) -> Iterator[Any]:
@@ -167,9 +191,9 @@ class Trainer:
             next(batches)
         return batches
 
-    def _segment_length(self) -> int:
+    def _segment_length(self, until: int) -> int:
         pos, cfg = self.pos, self.cfg
-        ends = [self.total - pos.step, self.data.steps_per_epoch - pos.batch_in_epoch]
+        ends = [until - pos.step, self.data.steps_per_epoch - pos.batch_in_epoch]
         if cfg.train.checkpoint_every:
             ends.append(cfg.train.checkpoint_every - pos.step % cfg.train.checkpoint_every)
         if self._warming_up():
@@ -177,6 +201,9 @@ class Trainer:
         return max(1, min(ends))
 
     def _after_step(self, out: Any) -> None:
+        now = time.perf_counter()
+        self.clock += now - self._mark
+        self._mark = now
         pos = self.pos
         pos.step += 1
         pos.batch_in_epoch += 1
@@ -185,24 +212,27 @@ class Trainer:
         self._record("step", step=pos.step, loss=loss)
         self._bar.update(1)
         self._mark_warmup()
-        if pos.step == self.steady_from:
-            self.steady.reset(pos.step, self.pipeline.stats())
+        if pos.step == self._steady_from:
+            self._steady.reset(pos.step, self.pipeline.stats(), self.clock)
         if pos.step == self.total:
-            self.summary.steady = self.steady.read(pos.step, self.pipeline.stats())
+            self.summary.steady = self._steady.read(pos.step, self.pipeline.stats(), self.clock)
         if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total:
             self._log_window()
+        self._mark = time.perf_counter()  # logging's collectives are not step time
 
     def _log_window(self) -> None:
-        w = self.window.read(self.pos.step, self.pipeline.stats())
-        self.window.reset(self.pos.step, self.pipeline.stats())
-        self._last_loss = float(np.mean(self._losses)) if self._losses else float("nan")
+        stats = self.pipeline.stats()
+        w = self._window.read(self.pos.step, stats, self.clock)
+        self._window.reset(self.pos.step, stats, self.clock)
+        loss = float(np.mean(self._losses)) if self._losses else float("nan")
         self._losses.clear()
-        self._record("log", step=self.pos.step, loss=self._last_loss, depth=self.pipeline.prefetch_depth, **w)
-        self._bar.set_postfix(loss=f"{self._last_loss:.4f}", sps=f"{w['samples_per_s']:.0f}",
+        self.summary.train_loss = loss
+        self._record("log", step=self.pos.step, loss=loss, depth=self.pipeline.prefetch_depth, **w)
+        self._bar.set_postfix(loss=f"{loss:.4f}", sps=f"{w['samples_per_s']:.0f}",
                               stall=f"{w['stall_ms_per_step']:.2f}ms", hit=f"{w['hit_rate']:.3f}")
         self.log.info(
             "step %d loss %.4f | %.0f samples/s | %.1f ms/step | stall %.2f ms/step | hit rate %.3f | depth %d",
-            self.pos.step, self._last_loss, w["samples_per_s"], w["step_ms"], w["stall_ms_per_step"],
+            self.pos.step, loss, w["samples_per_s"], w["step_ms"], w["stall_ms_per_step"],
             w["hit_rate"], self.pipeline.prefetch_depth,
         )
 
@@ -221,7 +251,7 @@ class Trainer:
     def _mark_warmup(self) -> None:
         # From the 2nd warm-up step on: the first ones carry one-time costs.
         if self._auto_pending and self.pos.step - self._warmup_start >= 2:
-            self._warm_marks.append((self.pos.step, time.perf_counter(), dict(self.pipeline.stats())))
+            self._warm_marks.append((self.pos.step, self.clock, dict(self.pipeline.stats())))
 
     def _maybe_choose_depth(self) -> None:
         if not self._auto_pending or self._warming_up():
@@ -230,12 +260,12 @@ class Trainer:
         if len(self._warm_marks) < 2:
             return  # training ended inside the warm-up
         (s0, t0, st0), (s1, t1, st1) = self._warm_marks[0], self._warm_marks[-1]
-        steps = max(s1 - s0, 1)
-        step_s = (t1 - t0) / steps
+        steps = s1 - s0
         fetch_s = (st1.get("stall_s", 0.0) - st0.get("stall_s", 0.0)) / steps
+        other_s = max((t1 - t0) / steps - fetch_s, 0.0)
         limit = cache_depth_limit(self.dmp, self.env.world_size * self.cfg.train.batch_size)
-        fetch_s, other_s, limit = agree(fetch_s, max(step_s - fetch_s, 0.0), limit)
-        choice: DepthChoice = choose_depth(fetch_s, other_s, self.cfg.prefetch.max_depth, limit)
+        fetch_s, other_s, limit = agree(fetch_s, other_s, limit)
+        choice = choose_depth(fetch_s, other_s, self.cfg.prefetch.max_depth, limit)
         self.pipeline.prefetch_depth = choice.depth
         self.summary.depth_choice = choice.as_dict()
         self._record("prefetch_auto", step=self.pos.step, **choice.as_dict())
@@ -243,21 +273,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> Dict[str, Any]:
-        self.dmp.eval()
-        metrics = EvalMetrics()
-        batches: Iterator[Any] = iter(self.data.eval)
-        if self.cfg.train.eval_max_batches:
-            batches = itertools.islice(batches, self.cfg.train.eval_max_batches)
-        total = min(len(self.data.eval), self.cfg.train.eval_max_batches or len(self.data.eval))
-        with tqdm(total=total, unit="batch", desc="eval", leave=False, dynamic_ncols=True,
-                  disable=not (self.env.is_main and self.cfg.train.progress_bar)) as bar:
-            def on_step(out: Any) -> None:
-                _, logits, labels = out
-                metrics.update(logits, labels)
-                bar.update(1)
-            run_pipeline(self.pipeline, batches, on_step)
-        self.dmp.train()
-        result = {"step": self.pos.step, "epoch": self.pos.epoch, **metrics.compute()}
+        max_batches = self.cfg.train.eval_max_batches
+        metrics = evaluate(self.pipeline, self.dmp, self.data.eval, max_batches,
+                           progress=self.env.is_main and self.cfg.train.progress_bar)
+        result = {"step": self.pos.step, "epoch": self.pos.epoch, **metrics}
         self.summary.evals.append(result)
         self._record("eval", **result)
         self.log.info("eval at step %d: AUROC %.4f | log loss %.4f | %d samples", result["step"],

@@ -1,8 +1,8 @@
-"""Evaluation metrics (AUROC, log loss) and the throughput/stall window used in logs."""
+"""Evaluation (AUROC, log loss) and the throughput/stall window used in logs."""
 
 from __future__ import annotations
 
-import time
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Optional
 
@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
+from tqdm import tqdm
 
 _STAT_KEYS = ("stall_s", "rows_requested", "hits", "rows_fetched", "bytes_moved")
 
@@ -37,35 +38,59 @@ class EvalMetrics:
 
 @dataclass
 class Window:
-    """Global (all-rank) samples/s, stall per step and hit rate between two marks."""
+    """Global (all-rank) samples/s, stall per step and hit rate between two marks.
+
+    Times come from the caller's clock (seconds spent in training steps), so pauses for
+    evaluation or checkpoints do not count.
+    """
 
     world_size: int
     batch_size: int
-    start_time: float = field(default_factory=time.perf_counter)
+    start_clock: float = 0.0
     start_step: int = 0
     start_stats: Dict[str, float] = field(default_factory=dict)
 
-    def reset(self, step: int, stats: Dict[str, float]) -> None:
-        self.start_time, self.start_step, self.start_stats = time.perf_counter(), step, dict(stats)
+    def reset(self, step: int, stats: Dict[str, float], clock: float) -> None:
+        self.start_clock, self.start_step, self.start_stats = clock, step, dict(stats)
 
-    def read(self, step: int, stats: Dict[str, float]) -> Dict[str, float]:
+    def read(self, step: int, stats: Dict[str, float], clock: float) -> Dict[str, float]:
         """Collective: every rank must call it at the same step."""
-        elapsed = time.perf_counter() - self.start_time
         delta = [stats.get(k, 0.0) - self.start_stats.get(k, 0.0) for k in _STAT_KEYS]
-        t = torch.tensor(delta + [elapsed], dtype=torch.float64)
+        t = torch.tensor(delta + [clock - self.start_clock], dtype=torch.float64)
         dist.all_reduce(t)
         stall, requested, hits, fetched, moved, elapsed_sum = t.tolist()
         steps = max(step - self.start_step, 1)
-        wall = elapsed_sum / self.world_size
+        wall = elapsed_sum / self.world_size  # mean over ranks
         return {
             "steps": step - self.start_step,
             "samples_per_s": steps * self.batch_size * self.world_size / max(wall, 1e-9),
             "step_ms": wall / steps * 1e3,
             "stall_ms_per_step": stall / self.world_size / steps * 1e3,
             "hit_rate": hits / requested if requested else 1.0,
-            "rows_fetched_per_step": fetched / steps,
-            "mb_moved_per_step": moved / steps / 1e6,
+            "rows_fetched_per_step": fetched / self.world_size / steps,
+            "mb_moved_per_step": moved / self.world_size / steps / 1e6,
         }
+
+
+def evaluate(pipeline: Any, model: torch.nn.Module, loader: Any, max_batches: Optional[int],
+             progress: bool = False) -> Dict[str, float]:
+    """AUROC and log loss of ``model`` over ``loader`` (all ranks), through the pipeline
+    (which runs the forward under ``no_grad`` in eval mode)."""
+    model.eval()
+    metrics = EvalMetrics()
+    batches: Iterator[Any] = iter(loader)
+    total = len(loader)
+    if max_batches:
+        batches, total = itertools.islice(batches, max_batches), min(total, max_batches)
+    with tqdm(total=total, unit="batch", desc="eval", leave=False, dynamic_ncols=True, disable=not progress) as bar:
+        def on_step(out: Any) -> None:
+            _, logits, labels = out
+            metrics.update(logits, labels)
+            bar.update(1)
+
+        run_pipeline(pipeline, batches, on_step)
+    model.train()
+    return metrics.compute()
 
 
 def run_pipeline(pipeline: Any, batches: Iterator[Any], on_step: Optional[Any] = None) -> int:

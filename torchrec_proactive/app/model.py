@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -101,11 +100,20 @@ def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCo
 
 def shard(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config,
           env: RankEnv) -> DistributedModelParallel:
-    plan = build_plan(
-        model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
-        local_size=env.local_world_size, device_type=env.device.type,
-        cache_load_factor=cfg.cache.load_factor if cfg.sharding.kernel == "fused_uvm_caching" else None,
-    )
+    try:
+        plan = build_plan(
+            model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
+            local_size=env.local_world_size, device_type=env.device.type,
+            cache_load_factor=cfg.cache.load_factor if cfg.sharding.kernel == "fused_uvm_caching" else None,
+        )
+    except ValueError as e:
+        if cfg.sharding.type == "auto" and "perf estimators" in str(e):
+            raise ValueError(
+                f"sharding=auto: TorchRec's planner cannot plan {cfg.sharding.kernel} tables on "
+                f"{env.device.type} ({e}); choose the sharding type yourself on this device, e.g. "
+                f"sharding=table_wise or sharding=row_wise"
+            ) from e
+        raise
     dmp = shard_model(model, sharder, plan, env.device)
     # DMP re-initialises meta-built tables (reset_parameters) after the sharded module has
     # built its caches, and tables small enough to be cached whole were preloaded from the

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import torch
 
 from .. import ProactiveTrainPipeline
 from ..config.schema import Config
@@ -21,6 +22,7 @@ from .loop import Summary, Trainer
 
 
 def run_training(cfg: Config) -> Summary:
+    """Builds the run, resumes it if asked to, trains it; returns rank-local results."""
     trainer = build_run(cfg)
     trainer.resume()
     summary = trainer.fit()
@@ -48,7 +50,8 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None) -> Trainer:
     depth = cfg.prefetch.capacity_depth if cache_depth is None else cache_depth
     slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth)
     if notes:
-        log.info("cache.fit_depth: %d small cache(s) grown to hold %d batches: %s", len(notes), depth + 1, "; ".join(notes[:4]) + (" ..." if len(notes) > 4 else ""))
+        shown = "; ".join(notes[:4]) + (" ..." if len(notes) > 4 else "")
+        log.info("cache.fit_depth: %d cache(s) grown to hold %d batches: %s", len(notes), depth + 1, shown)
     dmp = model_lib.shard(model, model_lib.build_sharder(cfg, slots), cfg, env)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
@@ -61,9 +64,11 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None) -> Trainer:
 
 
 def describe_link(cfg: Config) -> str:
+    if torch.cuda.is_available() and cfg.train.device != "cpu":
+        return "the CUDA copy stream (link.* applies to CPU runs only)"
     if cfg.link.kind == "none":
         return "none (in-process copies)"
-    return f"emulated ({cfg.link.bandwidth_gbps:g} GB/s, {cfg.link.latency_us:g} us latency; CPU only)"
+    return f"emulated ({cfg.link.bandwidth_gbps:g} GB/s, {cfg.link.latency_us:g} us per fetch)"
 
 
 def format_steady(w: Dict[str, Any]) -> str:
@@ -72,5 +77,3 @@ def format_steady(w: Dict[str, Any]) -> str:
     return (f"{w['samples_per_s']:.0f} samples/s, {w['step_ms']:.1f} ms/step, stall "
             f"{w['stall_ms_per_step']:.2f} ms/step, hit rate {w['hit_rate']:.3f}")
 
-
-__all__ = ["run_training"]
