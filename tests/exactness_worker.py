@@ -156,3 +156,22 @@ def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], dep
                     run["same_keys_as_stock"] = sorted(params) == sorted(ref[1])
                 report["runs"][f"{optimizer}/{cache}/k{k}"] = run
     return report
+
+
+def planner_auto(rank: int, world_size: int) -> Dict[str, Any]:
+    """TorchRec's planner ("auto") on CPU with our sharder: cached tables, same math as stock."""
+    tables = make_tables(4, rows=600, dim=8)
+    torch.manual_seed(123)
+    seed_state = SparseModel(tables).state_dict()
+    batches = [make_batch(tables, 16, seed=1000 * rank + i) for i in range(5)]
+    fused = FUSED["rowwise_adagrad"]
+    stock_dmp, stock_opt = _build(EmbeddingBagCollectionSharder(fused_params=dict(fused)), "auto", "fused", tables, seed_state)
+    ref = _run(TrainPipelineSparseDist(stock_dmp, stock_opt, torch.device("cpu")), batches)
+    sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), cache_load_factor=0.5, debug_checks=True)
+    dmp, opt = _build(sharder, "auto", "fused_uvm_caching", tables, seed_state)
+    kernels = sorted({ps.compute_kernel for ps in dmp.plan.plan["ebc"].values()})
+    out = _run(ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2), batches)
+    a, b = _params(dmp), _params(stock_dmp)
+    return {"kernels": kernels, "n_proactive_kernels": len(dmp.module.ebc.proactive_kernels),
+            "max_param_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+            "max_out_diff": max(float((x - y).abs().max()) for x, y in zip(out, ref))}

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from torchrec_proactive.bench.rank import choose_depth
 from torchrec_proactive.bench.runner import REQUIRED_KEYS, main
 
 pytestmark = pytest.mark.multiprocess
@@ -62,6 +61,9 @@ def test_timeline_files_written(quick_report):
     assert any("fetch" in lane for lane in lanes) and any("compute" in lane for lane in lanes)
 
 
-def test_choose_depth_picks_smallest_depth_that_hides_the_fetch():
-    assert choose_depth(0.030, 0.010, (1, 2, 4)) == 1  # 20 ms of other work hides 10 ms
-    assert choose_depth(0.030, 0.0, (1, 2, 4)) == 1
+def test_auto_runs_the_depth_the_trainer_rule_picks(quick_report):
+    report, _ = quick_report
+    by_name = {c["name"]: c for c in report["configs"]}
+    if "auto" in by_name:
+        assert by_name["auto"]["chosen_depth"] in (1, 2, 4)
+        assert report["auto_depth"] == by_name["auto"]["chosen_depth"]

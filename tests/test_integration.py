@@ -80,3 +80,9 @@ def test_state_dict_round_trip_with_stock_torchrec(sharding):
 def test_model_and_optimizer_state_dicts_resume_bit_identically(optimizer):
     for res in run_ranks(pipeline_worker.checkpoint_resume, world_size=2, optimizer=optimizer):
         assert res["outputs_equal"] and res["params_equal"], res
+
+
+def test_torchrec_planner_auto_plan_on_cpu():
+    for res in run_ranks(exactness_worker.planner_auto, world_size=2):
+        assert res["kernels"] == ["fused_uvm_caching"] and res["n_proactive_kernels"] >= 1
+        assert res["max_param_diff"] < 1e-5 and res["max_out_diff"] < 1e-5

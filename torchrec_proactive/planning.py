@@ -76,15 +76,25 @@ def build_plan(
         raise ValueError("the model has no EmbeddingBagCollection to shard")
     cache = CacheParams(load_factor=cache_load_factor) if cache_load_factor is not None else None
     if sharding == "auto":
+        # TorchRec's CPU perf estimators know no UVM caching (CPU has no UVM), so on CPU the
+        # planner places the tables as `fused` and the placement is then marked cached.
+        plan_kernel = "fused" if (device_type == "cpu" and kernel == "fused_uvm_caching") else kernel
         constraints = {
-            cfg.name: ParameterConstraints(compute_kernels=[kernel], cache_params=cache)
+            cfg.name: ParameterConstraints(compute_kernels=[plan_kernel], cache_params=cache)
             for ebc in ebcs.values() for cfg in ebc.embedding_bag_configs()
         }
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=world_size, local_world_size=local_size, compute_device=device_type),
             constraints=constraints,
         )
-        return planner.collective_plan(model, [sharder], pg or dist.GroupMember.WORLD)
+        plan = planner.collective_plan(model, [sharder], pg or dist.GroupMember.WORLD)
+        if plan_kernel != kernel:
+            for module_plan in plan.plan.values():
+                for ps in module_plan.values():  # type: ignore[union-attr]
+                    if ps.compute_kernel == plan_kernel:
+                        ps.compute_kernel = kernel
+                        ps.cache_params = cache
+        return plan
     plan: Dict[str, Any] = {}
     for fqn, ebc in ebcs.items():
         configs = ebc.embedding_bag_configs()

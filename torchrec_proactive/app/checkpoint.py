@@ -73,42 +73,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def _proactive_kernels(model: torch.nn.Module) -> List[Any]:
-    from ..integration.sharded_ebc import ProactiveShardedEmbeddingBagCollection
-
-    return [k for m in model.modules() if isinstance(m, ProactiveShardedEmbeddingBagCollection)
-            for k in m.proactive_kernels]
-
-
-# NOTE: ``CombinedOptimizer.state_dict`` / ``load_state_dict`` read and copy the state
-# tensors of its optimizers directly; they never call ``ProactiveFusedOptimizer``'s own
-# ``state_dict`` (which flushes the cache and writes each table's Adam step counter into
-# its ``.step`` tensor) or ``load_state_dict`` (which reads the counters back and drops
-# the caches). The two functions below do that around a checkpoint.
-
-
-def before_optimizer_save(model: torch.nn.Module) -> None:
-    for kernel in _proactive_kernels(model):
-        kernel.fused_optimizer.state_dict()  # for its effect: flush + step counters into state
-
-
-def after_optimizer_load(model: torch.nn.Module) -> None:
-    """Caches preloaded when the *model* state was loaded (tables cached whole) still hold
-    the old optimizer state; the counters were copied into tensors only. Nothing ran since
-    the model was loaded, so the caches hold no dirty rows and can simply be dropped."""
-    from ..integration.sharded_ebc import ProactiveShardedEmbeddingBagCollection
-
-    for kernel in _proactive_kernels(model):
-        state = kernel.fused_optimizer.state
-        for _, table in kernel.named_tables():
-            for key, value in state.get(table.host_weight, {}).items():
-                if key.endswith(".step"):
-                    table.step = int(value.item())
-    for module in model.modules():
-        if isinstance(module, ProactiveShardedEmbeddingBagCollection):
-            module.invalidate_cache()
-
-
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 

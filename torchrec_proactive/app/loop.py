@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..config.schema import Config
 from .autodepth import agree, cache_depth_limit, choose_depth
-from .checkpoint import Checkpointer, after_optimizer_load, before_optimizer_save, rng_state, set_rng_state
+from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .compose import config_hash, flatten
 from .data import Loaders
 from .env import RankEnv
@@ -107,7 +107,6 @@ class Trainer:
             self.optimizer.init_state()
             self.optimizer.zero_grad()
         self.optimizer.load_state_dict(state["optimizer"])
-        after_optimizer_load(self.dmp)
         self.pos = Position(**state["position"])
         self.epoch_np_state = state["epoch_np_state"]
         set_rng_state(state["rng"])
@@ -118,8 +117,8 @@ class Trainer:
     def save(self) -> None:
         if self.ckpt is None:
             return
-        model_state = self.dmp.state_dict()  # flushes the caches into the host tier
-        before_optimizer_save(self.dmp)
+        # Both state_dicts read the host tier after flushing the caches into it.
+        model_state = self.dmp.state_dict()
         payload = {
             "model": model_state,
             "optimizer": self.optimizer.state_dict(),
@@ -243,7 +242,7 @@ class Trainer:
         self._warmup_start = self.pos.step
         self._warm_marks = []
         if self._auto_pending:
-            self.pipeline.prefetch_depth = 0
+            self.pipeline.set_prefetch_depth(0)
 
     def _warming_up(self) -> bool:
         return self._auto_pending and self.pos.step < self._warmup_start + self.cfg.prefetch.warmup_steps
@@ -266,7 +265,7 @@ class Trainer:
         limit = cache_depth_limit(self.dmp, self.env.world_size * self.cfg.train.batch_size)
         fetch_s, other_s, limit = agree(fetch_s, other_s, limit)
         choice = choose_depth(fetch_s, other_s, self.cfg.prefetch.max_depth, limit)
-        self.pipeline.prefetch_depth = choice.depth
+        self.pipeline.set_prefetch_depth(choice.depth)
         self.summary.depth_choice = choice.as_dict()
         self._record("prefetch_auto", step=self.pos.step, **choice.as_dict())
         self.log.info("prefetch=auto chose depth %d: %s (cache allows up to %d)", choice.depth, choice.reason, limit)

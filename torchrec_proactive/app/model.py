@@ -16,7 +16,6 @@ from torchrec.optim.keyed import CombinedOptimizer
 from .. import ProactiveEmbeddingBagCollectionSharder
 from ..config.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, Config, ModelConfig, OptimizerConfig
 from ..fetch import LinkModel
-from ..integration.sharded_ebc import ProactiveShardedEmbeddingBagCollection
 from ..planning import build_plan, combined_optimizer, shard_model
 from .env import RankEnv
 
@@ -100,27 +99,12 @@ def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCo
 
 def shard(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config,
           env: RankEnv) -> DistributedModelParallel:
-    try:
-        plan = build_plan(
-            model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
-            local_size=env.local_world_size, device_type=env.device.type,
-            cache_load_factor=cfg.cache.load_factor if cfg.sharding.kernel == "fused_uvm_caching" else None,
-        )
-    except ValueError as e:
-        if cfg.sharding.type == "auto" and "perf estimators" in str(e):
-            raise ValueError(
-                f"sharding=auto: TorchRec's planner cannot plan {cfg.sharding.kernel} tables on "
-                f"{env.device.type} ({e}); choose the sharding type yourself on this device, e.g. "
-                f"sharding=table_wise or sharding=row_wise"
-            ) from e
-        raise
+    plan = build_plan(
+        model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
+        local_size=env.local_world_size, device_type=env.device.type,
+        cache_load_factor=cfg.cache.load_factor if cfg.sharding.kernel == "fused_uvm_caching" else None,
+    )
     dmp = shard_model(model, sharder, plan, env.device)
-    # DMP re-initialises meta-built tables (reset_parameters) after the sharded module has
-    # built its caches, and tables small enough to be cached whole were preloaded from the
-    # first initialisation; drop them so every cache starts from the host tier as it is now.
-    for module in dmp.modules():
-        if isinstance(module, ProactiveShardedEmbeddingBagCollection):
-            module.invalidate_cache()
     return dmp
 
 

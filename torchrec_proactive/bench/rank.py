@@ -26,12 +26,12 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+from ..app.autodepth import choose_depth
 from ..fetch import LinkModel
 from ..integration.pipeline import ProactiveTrainPipeline
 from ..integration.sharder import ProactiveEmbeddingBagCollectionSharder
 from ..planning import build_plan, combined_optimizer, shard_model
 from ..store import CacheCapacityError
-from .scaling import StageTimes, step_time_proactive
 from .workload import DLRMTrainModel, Workload
 
 
@@ -126,19 +126,6 @@ def _summarize(name: str, settings: BenchSettings, times: List[float], snaps: Li
     }
 
 
-def choose_depth(reactive_step_s: float, stall_s: float, depths: Tuple[int, ...], tolerance: float = 0.02) -> int:
-    """Smallest depth whose predicted step time is within ``tolerance`` of the best one.
-
-    The reactive run gives the fetch time (its stall) and the rest of the step; the
-    pipeline model (:func:`step_time_proactive`) predicts each depth from them.
-    """
-    rest = max(reactive_step_s - stall_s, 1e-9)
-    times = StageTimes(compute_s=rest, input_a2a_s=0.0, output_a2a_s=0.0, allreduce_s=0.0, fetch_s=stall_s)
-    predicted = {k: step_time_proactive(k, times) for k in sorted(depths)}
-    best = min(predicted.values())
-    return next(k for k, t in predicted.items() if t <= best * (1 + tolerance))
-
-
 def _measure_comm(settings: BenchSettings, world_size: int, dense_param_bytes: int, reps: int = 10) -> Dict[str, float]:
     """Times the collectives of one step at their real sizes (input ids, pooled output, dense grads)."""
     w = settings.workload
@@ -211,7 +198,11 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings) -> Dict[str,
         except CacheCapacityError as e:
             results[f"depth_{k}"] = {"name": f"depth_{k}", "prefetch_depth": k, "error": str(e)}
     if settings.include_auto:
-        k = choose_depth(reactive["step_ms_median"] / 1e3, reactive["stall_ms_per_step"] / 1e3, settings.depths)
+        # The trainer's prefetch=auto rule, fed with this run's reactive measurements and
+        # snapped to the smallest measured depth that is at least as deep.
+        stall_s = reactive["stall_ms_per_step"] / 1e3
+        want = choose_depth(stall_s, reactive["step_ms_median"] / 1e3 - stall_s, max(settings.depths), max(settings.depths)).depth
+        k = min((d for d in settings.depths if d >= want), default=max(settings.depths))
         if "error" not in results.get(f"depth_{k}", {}):
             run("auto", proactive(link), "fused_uvm_caching", k, {"chosen_depth": k})
     if settings.include_cache100:

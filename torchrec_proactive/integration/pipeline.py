@@ -34,7 +34,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelin
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
-from ..store import InvalidInputError
+from ..store import InvalidInputError, StoreStateError
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 from .tracing import PipelineTracer
 
@@ -293,6 +293,20 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         self._prefetched.clear()
         super().reset()
         self._check_drained()
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """Changes ``k`` between epochs or segments; the pipeline must be drained (every
+        ``progress`` call returned or ``StopIteration`` raised, or ``reset()`` called)."""
+        if not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"prefetch_depth must be an integer >= 0, got {depth!r}")
+        if self.batches:
+            raise StoreStateError(
+                f"cannot change prefetch_depth from {self.prefetch_depth} to {depth} with {len(self.batches)} "
+                f"batch(es) in flight; drain the pipeline or call reset() first"
+            )
+        self.prefetch_depth = depth
+        for module in self._proactive_modules or self._find_proactive_modules(self._model):
+            module.set_prefetch_depth(depth)
 
     @property
     def in_flight(self) -> int:

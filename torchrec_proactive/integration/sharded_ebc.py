@@ -216,6 +216,13 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
 
+    def reset_parameters(self) -> None:
+        """TorchRec re-initialises the weights (the host tier) in place, e.g. for meta-built
+        models: cached copies of the old values must go."""
+        super().reset_parameters()
+        for kernel in getattr(self, "_proactive_kernels", []):
+            kernel.invalidate()
+
     def create_context(self) -> ProactiveEBCContext:
         return ProactiveEBCContext()
 
