@@ -50,6 +50,7 @@ class BenchSettings:
     trace: bool = False
     include_auto: bool = True
     include_cache100: bool = True
+    rounds: int = 3  # every configuration runs once per round, in rotated order
 
 
 def _fused() -> Dict[str, Any]:
@@ -78,11 +79,20 @@ def _sum_over_ranks(values: List[float]) -> List[float]:
     return t.tolist()
 
 
-def _train(pipeline: Any, batches: List[Any], warmup: int) -> Tuple[List[float], List[Dict[str, float]]]:
-    """Per-step wall times and per-step cumulative stats (measured steps only)."""
+@dataclass
+class Measurement:
+    """One timed segment of one configuration: per-step wall times (after warm-up) and the
+    change of the pipeline's cumulative statistics over those steps."""
+
+    times: List[float]
+    deltas: Dict[str, float]
+
+
+def _train(pipeline: Any, batches: List[Any], warmup: int) -> Measurement:
     it = iter(batches)
     times: List[float] = []
-    snaps: List[Dict[str, float]] = []
+    stats = (lambda: dict(pipeline.stats())) if hasattr(pipeline, "prefetch_depth") else (lambda: {})
+    start: Dict[str, float] = {}
     step = 0
     while True:
         t0 = time.perf_counter()
@@ -92,36 +102,38 @@ def _train(pipeline: Any, batches: List[Any], warmup: int) -> Tuple[List[float],
             break
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-            snaps.append(dict(pipeline.stats()) if hasattr(pipeline, "prefetch_depth") else {})
         step += 1
-    return times, snaps
+        if step == warmup:
+            start = stats()
+    end = stats()
+    return Measurement(times, {k: end.get(k, 0.0) - start.get(k, 0.0) for k in end if k != "hit_rate"})
 
 
-def _summarize(name: str, settings: BenchSettings, times: List[float], snaps: List[Dict[str, float]],
-               world_size: int, extra: Dict[str, Any]) -> Dict[str, Any]:
+def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], world_size: int,
+               extra: Dict[str, Any]) -> Dict[str, Any]:
+    """Medians over every measured step of every round; per-step counters averaged."""
+    times = [t for m in runs for t in m.times]
     step = _max_over_ranks(times)  # a synchronous job steps at its slowest rank's pace
     n = len(step)
     s = sorted(step)
-    first, last = (snaps[0], snaps[-1]) if snaps else ({}, {})
-    per_step = lambda key: (last.get(key, 0.0) - first.get(key, 0.0)) / max(n - 1, 1)  # noqa: E731
-    local = [per_step("stall_s"), per_step("rows_fetched"), per_step("bytes_moved"),
-             per_step("rows_written_back"), last.get("hits", 0.0) - first.get("hits", 0.0),
-             last.get("rows_requested", 0.0) - first.get("rows_requested", 0.0)]
-    stall, rows, nbytes, wb, hits, req = local
-    stall = _max_over_ranks([stall])[0]
-    rows, nbytes, wb, hits, req = _sum_over_ranks([rows, nbytes, wb, hits, req])
+    total = {k: sum(m.deltas.get(k, 0.0) for m in runs) for k in runs[0].deltas}
+    stall = _max_over_ranks([total.get("stall_s", 0.0) / n])[0]
+    rows, nbytes, wb, hits, req = _sum_over_ranks(
+        [total.get(k, 0.0) for k in ("rows_fetched", "bytes_moved", "rows_written_back", "hits", "rows_requested")]
+    )
     median = statistics.median(step)
     return {
         "name": name,
         "steps_measured": n,
+        "rounds": len(runs),
         "step_ms_median": 1e3 * median,
         "step_ms_p90": 1e3 * s[min(n - 1, int(round(0.9 * (n - 1))))],
         "samples_per_s": world_size * settings.workload.batch_size / median,
         "stall_ms_per_step": 1e3 * stall,
-        "rows_fetched_per_step": rows,
-        "bytes_moved_per_step": nbytes,
-        "rows_written_back_per_step": wb,
-        "hit_rate": hits / req if req else (1.0 if snaps else None),
+        "rows_fetched_per_step": rows / n,
+        "bytes_moved_per_step": nbytes / n,
+        "rows_written_back_per_step": wb / n,
+        "hit_rate": hits / req if req else (1.0 if total else None),
         **extra,
     }
 
@@ -159,54 +171,75 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings) -> Dict[str,
     results: Dict[str, Dict[str, Any]] = {}
     traces: Dict[str, List[Dict[str, Any]]] = {}
 
-    def run(name: str, sharder: Any, kernel: str, depth: Optional[int], extra: Dict[str, Any]) -> Dict[str, Any]:
+    def measure(name: str, sharder: Any, kernel: str, depth: Optional[int]) -> Measurement:
         dmp, opt = _build(settings, sharder, kernel, init_state)
         if depth is None:
             pipe: Any = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
         else:
-            pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=depth, trace=settings.trace)
-        times, snaps = _train(pipe, batches, settings.warmup_steps)
+            pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=depth,
+                                          trace=settings.trace and name not in traces)
+        m = _train(pipe, batches, settings.warmup_steps)
         if depth is not None:
             dmp.module.model.sparse_arch.embedding_bag_collection.check_invariants(expect_drained=True)
-            if settings.trace:
+            if pipe.tracer.enabled:
                 traces[name] = list(pipe.tracer.events)
-        results[name] = _summarize(name, settings, times, snaps, world_size, {"prefetch_depth": depth, **extra})
-        return results[name]
+        return m
 
     def proactive(link: Optional[LinkModel], load_factor: Optional[float] = None) -> ProactiveEmbeddingBagCollectionSharder:
         return ProactiveEmbeddingBagCollectionSharder(
             fused_params=_fused(), cache_load_factor=load_factor or settings.cache_load_factor, link=link
         )
 
-    resident = run("resident", EmbeddingBagCollectionSharder(fused_params=_fused()), "fused", None, {})
-
+    resident_sharder = lambda: EmbeddingBagCollectionSharder(fused_params=_fused())  # noqa: E731
     bandwidth = settings.link_bandwidth_gbps
     if bandwidth is None:
         # Calibrate the emulated link: cold fetches cost `target_fetch_fraction` of a
         # resident step (the paper's regime). Measured with an instantaneous link.
-        probe = run("calibration", proactive(None), "fused_uvm_caching", 0, {})
+        resident = _summarize("resident", settings, [measure("resident", resident_sharder(), "fused", None)], world_size, {})
+        probe = _summarize("calibration", settings, [measure("calibration", proactive(None), "fused_uvm_caching", 0)],
+                           world_size, {})
         fetch_target_s = settings.target_fetch_fraction * resident["step_ms_median"] / 1e3
         per_rank_bytes = probe["bytes_moved_per_step"] / world_size
         bandwidth = max(per_rank_bytes / max(fetch_target_s - settings.link_latency_us * 1e-6, 1e-6) / 1e9, 1e-4)
-        results.pop("calibration")
     link = LinkModel(bandwidth_gbps=float(bandwidth), latency_us=settings.link_latency_us)
 
-    reactive = run("reactive", proactive(link), "fused_uvm_caching", 0, {})
-    for k in settings.depths:
-        try:
-            run(f"depth_{k}", proactive(link), "fused_uvm_caching", k, {})
-        except CacheCapacityError as e:
-            results[f"depth_{k}"] = {"name": f"depth_{k}", "prefetch_depth": k, "error": str(e)}
-    if settings.include_auto:
-        # The trainer's prefetch=auto rule, fed with this run's reactive measurements and
-        # snapped to the smallest measured depth that is at least as deep.
-        stall_s = reactive["stall_ms_per_step"] / 1e3
-        want = choose_depth(stall_s, reactive["step_ms_median"] / 1e3 - stall_s, max(settings.depths), max(settings.depths)).depth
-        k = min((d for d in settings.depths if d >= want), default=max(settings.depths))
-        if "error" not in results.get(f"depth_{k}", {}):
-            run("auto", proactive(link), "fused_uvm_caching", k, {"chosen_depth": k})
+    # name -> (sharder factory, kernel, depth, extra fields)
+    configs: Dict[str, Tuple[Any, str, Optional[int], Dict[str, Any]]] = {
+        "resident": (resident_sharder, "fused", None, {}),
+        "reactive": (lambda: proactive(link), "fused_uvm_caching", 0, {}),
+        **{f"depth_{k}": (lambda: proactive(link), "fused_uvm_caching", k, {}) for k in settings.depths},
+    }
     if settings.include_cache100:
-        run("cache100", proactive(link, load_factor=1.0), "fused_uvm_caching", 2, {"cache_load_factor": 1.0})
+        configs["cache100"] = (lambda: proactive(link, load_factor=1.0), "fused_uvm_caching", 2, {"cache_load_factor": 1.0})
+    runs: Dict[str, List[Measurement]] = {}
+    failed: Dict[str, str] = {}
+    for r in range(settings.rounds):
+        names = list(configs)
+        names = names[r % len(names):] + names[: r % len(names)]  # rotate: no config always runs first
+        for name in names:
+            if name in failed:
+                continue
+            factory, kernel, depth, _ = configs[name]
+            try:
+                runs.setdefault(name, []).append(measure(name, factory(), kernel, depth))
+            except CacheCapacityError as e:
+                failed[name] = str(e)
+        if r == 0 and settings.include_auto and "reactive" in runs:
+            # The trainer's prefetch=auto rule, fed with this run's reactive measurements and
+            # snapped to the smallest measured depth that is at least as deep.
+            reactive = _summarize("reactive", settings, runs["reactive"], world_size, {})
+            stall_s = reactive["stall_ms_per_step"] / 1e3
+            want = choose_depth(stall_s, reactive["step_ms_median"] / 1e3 - stall_s, max(settings.depths),
+                                max(settings.depths)).depth
+            k = min((d for d in settings.depths if d >= want and f"depth_{d}" not in failed), default=None)
+            if k is not None:
+                configs["auto"] = (lambda: proactive(link), "fused_uvm_caching", k, {"chosen_depth": k})
+                runs["auto"] = [measure("auto", proactive(link), "fused_uvm_caching", k)]
+    for name, (_, _, depth, extra) in configs.items():
+        if name in failed:
+            results[name] = {"name": name, "prefetch_depth": depth, "error": failed[name]}
+        elif name in runs:
+            results[name] = _summarize(name, settings, runs[name], world_size, {"prefetch_depth": depth, **extra})
 
     comm = _measure_comm(settings, world_size, dense_bytes) if world_size > 1 else {
         "input_a2a_s": 0.0, "output_a2a_s": 0.0, "allreduce_s": 0.0}

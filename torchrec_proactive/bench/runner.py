@@ -103,12 +103,14 @@ def _settings(args: argparse.Namespace) -> BenchSettings:
         depths=tuple(int(d) for d in args.depths.split(",")), warmup_steps=args.warmup, measure_steps=args.steps,
         link_bandwidth_gbps=args.link_bandwidth_gbps, link_latency_us=args.link_latency_us,
         target_fetch_fraction=args.target_fetch_fraction, trace=bool(args.timeline or args.scaling),
+        rounds=args.rounds,
     )
     if args.quick:
         s = replace(s, workload=replace(workload, num_tables=min(workload.num_tables, 4),
                                         rows_per_table=min(workload.rows_per_table, 20_000),
                                         batch_size=min(workload.batch_size, 256)),
-                    warmup_steps=min(s.warmup_steps, 4), measure_steps=min(s.measure_steps, 10), depths=(1, 2, 4))
+                    warmup_steps=min(s.warmup_steps, 4), measure_steps=min(s.measure_steps, 10), depths=(1, 2, 4),
+                    rounds=1)
     return s
 
 
@@ -153,6 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--depths", default="1,2,4")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=3, help="times each configuration runs (rotated order)")
     p.add_argument("--link-bandwidth-gbps", type=float, default=None, help="default: calibrated")
     p.add_argument("--link-latency-us", type=float, default=100.0)
     p.add_argument("--target-fetch-fraction", type=float, default=0.6)

@@ -30,6 +30,19 @@ class TableBatch:
     inverse: torch.Tensor
     offsets: torch.Tensor
     mode: str = "sum"
+    # Derived once per batch at plan time (prefetch), not in forward/backward.
+    slot_ids: Optional[torch.Tensor] = None
+    bag_of_value: Optional[torch.Tensor] = None
+    lengths: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.slot_ids is None:
+            self.slot_ids = self.plan.device_slots()[self.inverse]
+            self.lengths = self.offsets[1:] - self.offsets[:-1]
+            self.bag_of_value = torch.repeat_interleave(
+                torch.arange(self.lengths.numel(), device=self.offsets.device), self.lengths,
+                output_size=int(self.inverse.numel()),
+            )
 
     @property
     def table(self) -> TieredTable:
@@ -76,7 +89,7 @@ class _PooledLookup(torch.autograd.Function):
         per_sample_weights: Optional[torch.Tensor],
     ) -> torch.Tensor:
         table = batch.table
-        slot_ids = batch.plan.slots.to(table.device)[batch.inverse]
+        slot_ids = batch.slot_ids
         out = F.embedding_bag(
             slot_ids, table.cache_weight, batch.offsets, mode=batch.mode,
             per_sample_weights=per_sample_weights, include_last_offset=True,
@@ -94,9 +107,8 @@ class _PooledLookup(torch.autograd.Function):
         batch: TableBatch = ctx.batch  # type: ignore[attr-defined]
         psw: Optional[torch.Tensor] = ctx.psw  # type: ignore[attr-defined]
         table = batch.table
-        lengths = batch.offsets[1:] - batch.offsets[:-1]
-        bag_of_value = torch.repeat_interleave(torch.arange(batch.num_bags, device=grad_out.device), lengths)
-        g = grad_out[bag_of_value]
+        lengths, bag_of_value = batch.lengths, batch.bag_of_value
+        g = grad_out.index_select(0, bag_of_value)
         if batch.mode == "mean":
             g = g / lengths[bag_of_value].clamp(min=1).unsqueeze(1).to(g.dtype)
         grad_psw = None
@@ -128,7 +140,7 @@ def pooled_lookup(
     with torch.no_grad():
         table = batch.table
         out = F.embedding_bag(
-            batch.plan.slots.to(table.device)[batch.inverse], table.cache_weight, batch.offsets,
+            batch.slot_ids, table.cache_weight, batch.offsets,
             mode=batch.mode, per_sample_weights=per_sample_weights, include_last_offset=True,
         )
     table.release(batch.plan)

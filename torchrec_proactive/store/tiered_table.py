@@ -57,12 +57,19 @@ class FetchPlan:
     num_rows: int = -1
     num_fills: int = -1
     num_writebacks: int = -1
+    _device_slots: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_rows < 0:
             self.num_rows = int(self.rows.numel())
             self.num_fills = int(self.fill_rows.numel())
             self.num_writebacks = int(self.writeback_rows.numel())
+
+    def device_slots(self) -> torch.Tensor:
+        """``slots`` on the cache's device (copied once per plan)."""
+        if self._device_slots is None:
+            self._device_slots = self.slots.to(self.table.device)
+        return self._device_slots
 
     @property
     def num_hits(self) -> int:
@@ -324,20 +331,21 @@ class TieredTable:
                 f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match "
                 f"({plan.rows.numel()}, {self.dim})"
             )
-        if not bool(torch.isfinite(row_grads).all()):
+        # One reduction instead of an elementwise mask: NaN and Inf propagate through a sum.
+        if not bool(torch.isfinite(row_grads.sum())):
             self.release(plan)
             raise InvalidInputError(
                 f"table '{self._shard.global_name}': non-finite gradient reached the store; "
                 f"the update was skipped and the table is unchanged"
             )
-        slots = plan.slots.to(self.device)
-        weight = self.cache_weight[slots]
-        state = {k: v[slots] for k, v in self.cache_state.items()}
+        slots = plan.device_slots()
+        weight = self.cache_weight.index_select(0, slots)
+        state = {k: v.index_select(0, slots) for k, v in self.cache_state.items()}
         self.steps += 1
         apply_row_update(self.optimizer, weight, row_grads.to(weight.dtype), state, int(self.steps))
-        self.cache_weight[slots] = weight
+        self.cache_weight.index_copy_(0, slots, weight)
         for k, v in state.items():
-            self.cache_state[k][slots] = v
+            self.cache_state[k].index_copy_(0, slots, v)
         self.dirty[plan.slots] = True
         self.stats.updates += 1
         self.release(plan)
