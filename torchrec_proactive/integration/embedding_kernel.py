@@ -267,8 +267,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             # Nothing planned so far may stay pinned or half-mapped: move the data of what
             # was planned (keeps row_to_slot truthful) and unpin it, then re-raise.
             for tb in batches:
-                tb.table.transfer(tb.plan)
-                tb.table.release(tb.plan)
+                tb.table.abandon(tb.plan)
             raise
         return PlannedGroup(self, batches, stride, int(values.numel()), weights)
 

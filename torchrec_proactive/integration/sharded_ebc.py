@@ -286,8 +286,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         except Exception:
             for group in groups:  # undo the pins of the groups that were planned
                 for tb in group.table_batches:
-                    tb.table.transfer(tb.plan)
-                    tb.table.release(tb.plan)
+                    tb.table.abandon(tb.plan)
             raise
         plans = [p for g in groups for p in g.plans]
         ticket = self._fetch_engine.issue(plans, tag=index)

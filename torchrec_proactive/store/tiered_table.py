@@ -28,7 +28,7 @@ Nothing here imports TorchRec; the host tier may be a view of someone else's sto
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 
@@ -350,6 +350,12 @@ class TieredTable:
         self.stats.updates += 1
         self.release(plan)
 
+    def abandon(self, plan: FetchPlan) -> None:
+        """Gives up a planned batch that will never be looked up: its data moves still run
+        (so ``row_to_slot`` stays truthful for later batches), then its pins are released."""
+        self.transfer(plan)
+        self.release(plan)
+
     def release(self, plan: FetchPlan) -> None:
         """Unpins the plan's slots (idempotent)."""
         if plan.released:
@@ -441,7 +447,3 @@ def unique_rows(values: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
     rows, inverse = torch.unique(values.to(torch.int64).cpu(), sorted=True, return_inverse=True)
     return rows, inverse
 
-
-def tables_check_invariants(tables: Sequence[TieredTable], expect_drained: bool = False) -> None:
-    for t in tables:
-        t.check_invariants(expect_drained)
