@@ -157,8 +157,12 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # lookups are built and before the fused optimizers and state-dict views are
         # collected from them. The replacement takes over the stock kernel's host weight
         # storage (same initialisation, no second copy) and the stock kernel is dropped.
+        # Per lookup, also record how its KJT splits into groups and which groups are ours:
+        # the hot path reads this instead of walking the lookups.
+        self._group_layout: List[Tuple[List[int], List[Optional[ProactiveEmbeddingBag]]]] = []
         for lookup, sharding in zip(self._lookups, self._embedding_shardings):
             if isinstance(sharding, DpPooledEmbeddingSharding):
+                self._group_layout.append(([], []))
                 continue
             modules = lookup._emb_modules  # noqa: SLF001 - see comment above
             for g, config in enumerate(lookup.grouped_configs):
@@ -176,15 +180,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 )
                 modules[g] = kernel
                 self._proactive_kernels.append(kernel)
-        # Per lookup: how its KJT splits into groups, and which groups are ours (the hot
-        # path reads this instead of walking the lookups).
-        self._group_layout: List[Tuple[List[int], List[Optional[ProactiveEmbeddingBag]]]] = []
-        for lookup, sharding in zip(self._lookups, self._embedding_shardings):
-            if isinstance(sharding, DpPooledEmbeddingSharding):
-                self._group_layout.append(([], []))
-                continue
             splits = [c.num_features() for c in lookup.grouped_configs]
-            kernels = [m if isinstance(m, ProactiveEmbeddingBag) else None for m in lookup._emb_modules]
+            kernels = [m if isinstance(m, ProactiveEmbeddingBag) else None for m in modules]
             self._group_layout.append((splits, kernels))
 
     def create_embedding_bag_sharding(  # type: ignore[override]
