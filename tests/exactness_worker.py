@@ -175,3 +175,27 @@ def planner_auto(rank: int, world_size: int) -> Dict[str, Any]:
     return {"kernels": kernels, "n_proactive_kernels": len(dmp.module.ebc.proactive_kernels),
             "max_param_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
             "max_out_diff": max(float((x - y).abs().max()) for x, y in zip(out, ref))}
+
+
+def weighted_features(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
+    """Per-sample weights (a weighted EBC) through the plugin equal stock TorchRec."""
+    tables = make_tables(3, rows=500, dim=8)
+    torch.manual_seed(9)
+    seed_state = SparseModel(tables, weighted=True).state_dict()
+    batches = [make_batch(tables, 16, seed=1000 * rank + i, weighted=True) for i in range(5)]
+    fused = FUSED["rowwise_adagrad"]
+
+    def build(sharder, kernel):
+        torch.manual_seed(0)
+        model = SparseModel(tables, weighted=True)
+        dmp = shard_model(model, sharder, build_plan(model, sharder, sharding, kernel=kernel), torch.device("cpu"))
+        dmp.load_state_dict(copy.deepcopy(seed_state))
+        return dmp, combined_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=LR))
+
+    stock, sopt = build(EmbeddingBagCollectionSharder(fused_params=dict(fused)), "fused")
+    ref = _run(TrainPipelineSparseDist(stock, sopt, torch.device("cpu")), batches)
+    dmp, opt = build(ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), cache_load_factor=0.5), "fused_uvm_caching")
+    out = _run(ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2), batches)
+    a, b = _params(dmp), _params(stock)
+    return {"max_param_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+            "max_out_diff": max(float((x - y).abs().max()) for x, y in zip(out, ref)), "n": len(out)}

@@ -24,9 +24,10 @@ def make_tables(num_tables: int = 4, rows: int = 1000, dim: int = 16, shared_fea
 
 
 class SparseModel(nn.Module):
-    def __init__(self, tables: List[EmbeddingBagConfig], device: Optional[torch.device] = None) -> None:
+    def __init__(self, tables: List[EmbeddingBagConfig], device: Optional[torch.device] = None,
+                 weighted: bool = False) -> None:
         super().__init__()
-        self.ebc = EmbeddingBagCollection(tables=tables, device=device or torch.device("cpu"))
+        self.ebc = EmbeddingBagCollection(tables=tables, device=device or torch.device("cpu"), is_weighted=weighted)
         self.feature_names = [f for t in tables for f in t.feature_names]
         width = sum(t.embedding_dim * len(t.feature_names) for t in tables) + DENSE_IN
         self.over = nn.Sequential(nn.Linear(width, 16), nn.ReLU(), nn.Linear(16, 1))

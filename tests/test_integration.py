@@ -86,3 +86,9 @@ def test_torchrec_planner_auto_plan_on_cpu():
     for res in run_ranks(exactness_worker.planner_auto, world_size=2):
         assert res["kernels"] == ["fused_uvm_caching"] and res["n_proactive_kernels"] >= 1
         assert res["max_param_diff"] < 1e-5 and res["max_out_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_weighted_features_match_stock(sharding):
+    for res in run_ranks(exactness_worker.weighted_features, world_size=2, sharding=sharding):
+        assert res["n"] == 5 and res["max_param_diff"] < 1e-5 and res["max_out_diff"] < 1e-5, res

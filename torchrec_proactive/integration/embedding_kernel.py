@@ -48,6 +48,7 @@ class PlannedGroup:
     stride: int
     num_values: int
     weights: Optional[torch.Tensor]
+    value_ranges: List[Tuple[int, int]]  # each table's slice of the group's values
 
     @property
     def plans(self) -> list:
@@ -256,9 +257,11 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         values = features.values()
         weights = features.weights_or_none()
         batches: List[TableBatch] = []
+        ranges: List[Tuple[int, int]] = []
         try:
             for table, (f0, f1) in zip(self.tables, self._table_features):
                 lo, hi = int(offsets[f0 * stride]), int(offsets[f1 * stride])
+                ranges.append((lo, hi))
                 tab_offsets = offsets[f0 * stride: f1 * stride + 1] - lo
                 batches.append(
                     plan_table_batch(table, values[lo:hi], tab_offsets, self._mode, self.prefetch_depth or None)
@@ -269,7 +272,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             for tb in batches:
                 tb.table.abandon(tb.plan)
             raise
-        return PlannedGroup(self, batches, stride, int(values.numel()), weights)
+        return PlannedGroup(self, batches, stride, int(values.numel()), weights, ranges)
 
     def bind(self, planned: PlannedGroup) -> None:
         """Hands a planned (and transferred) batch to the next ``forward``."""
@@ -301,11 +304,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         outputs = []
         weights = planned.weights
         stride = planned.stride
-        for tb, (f0, f1) in zip(planned.table_batches, self._table_features):
-            psw = None
-            if weights is not None:
-                offsets = features.offsets()
-                psw = weights[int(offsets[f0 * stride]): int(offsets[f1 * stride])]
+        for tb, (f0, f1), (lo, hi) in zip(planned.table_batches, self._table_features, planned.value_ranges):
+            psw = None if weights is None else weights[lo:hi]
             pooled = pooled_lookup(tb, self._anchor, psw)  # [(f1 - f0) * B, dim]
             n_feat = f1 - f0
             # TorchRec's layout is [B, sum(dims)] with features side by side.
