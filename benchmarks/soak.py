@@ -37,6 +37,7 @@ def soak_rank(rank: int, world_size: int, steps: int, depth: int, load_factor: f
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+    from tests.exactness_worker import _params as params
     from tests.sparse_model import SparseModel, make_batch, make_tables
     from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder, ProactiveTrainPipeline
     from torchrec_proactive.planning import build_plan, combined_optimizer, shard_model
@@ -56,16 +57,6 @@ def soak_rank(rank: int, world_size: int, steps: int, depth: int, load_factor: f
         dmp = shard_model(model, sharder, build_plan(model, sharder, "row_wise", kernel=kernel), torch.device("cpu"))
         dmp.load_state_dict(copy.deepcopy(seed_state))
         return dmp, combined_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=0.02))
-
-    def params(dmp) -> Dict[str, torch.Tensor]:
-        out = {}
-        for k, v in dmp.state_dict().items():
-            if hasattr(v, "local_shards"):
-                for i, s in enumerate(v.local_shards()):
-                    out[f"{k}#{i}"] = s.tensor.clone()
-            else:
-                out[k] = v.clone()
-        return out
 
     def train(pipe, sample_every: int) -> List[float]:
         it, rss, n = batches(), [], 0

@@ -118,11 +118,6 @@ class ProactiveStats:
             "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
         }
 
-    def reset(self) -> None:
-        keep = self.keep_records
-        self.__init__()  # type: ignore[misc]
-        self.keep_records = keep
-
 
 class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """A ``ShardedEmbeddingBagCollection`` with proactive cold-row fetching.

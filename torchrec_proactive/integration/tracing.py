@@ -42,7 +42,3 @@ class PipelineTracer:
         start = self._open.pop((lane, batch), None)
         if start is not None:
             self.add(lane, f"{'a2a ids' if lane == 'data_dist' else lane} b{batch}", batch, start, time.perf_counter())
-
-    def clear(self) -> None:
-        self.events.clear()
-        self._open.clear()
