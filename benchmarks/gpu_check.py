@@ -73,7 +73,7 @@ def check_exactness(device: torch.device, steps: int) -> Dict[str, Any]:
         anchor = torch.empty(0, device=dev, requires_grad=True)
         outs = run_loop(table, engine, anchor, batches, depth, dev)
         engine.drain()
-        table.flush()
+        FetchEngine().flush([table])
         sync(dev)
         engine.close()
         results[name] = (outs, table.host_weight.clone())

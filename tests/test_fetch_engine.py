@@ -52,9 +52,12 @@ def test_tickets_complete_in_issue_order_on_one_link():
 
 def test_empty_ticket_pays_no_latency():
     engine = FetchEngine(EmulatedLinkTransport(LinkModel(bandwidth_gbps=1.0, latency_us=50_000)))
-    table = _table(slots=1000)  # full cache: everything resident, nothing to move
+    table = _table(slots=1000)  # full cache: every row moves in with the first plan ...
     try:
-        ticket = engine.issue([table.plan(torch.arange(10))])
+        first = table.plan(torch.arange(3))
+        FetchEngine().run([first])
+        table.release(first)
+        ticket = engine.issue([table.plan(torch.arange(10))])  # ... so a later one moves nothing
         assert ticket.num_bytes == 0
         assert engine.wait(ticket) < 0.04
     finally:
@@ -110,8 +113,8 @@ def test_cuda_stream_transport_matches_cpu():
                 outs.append(out.detach().cpu())
             torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
         eg.drain()
-        gpu.flush()
-        cpu.flush()
+        FetchEngine().flush([gpu])
+        FetchEngine().flush([cpu])
         torch.cuda.synchronize()
         torch.testing.assert_close(gpu.host_weight, cpu.host_weight, rtol=1e-5, atol=1e-5)
     finally:

@@ -109,7 +109,7 @@ def test_exact_vs_resident_and_bitwise_across_depths(cfg, policy, cache):
         slots = {"tiny": (depth + 1) * ws, "10pct": max((depth + 1) * ws, ROWS // 10), "full": ROWS}[cache]
         table = TieredTable("t", init.clone(), cfg, num_slots=slots, policy=policy)
         outs = train_store(table, FetchEngine(InlineTransport()), batches, depth)
-        table.flush()
+        FetchEngine().flush([table])
         results[depth] = (outs, table.host_weight.clone(), {k: v.clone() for k, v in table.host_state.items()})
     ref = ResidentReference(init, cfg)
     ref_outs = [ref.forward_backward(*b) for b in batches]
@@ -134,7 +134,7 @@ def test_mean_pooling_matches_embedding_bag():
     ref = ResidentReference(init, cfg)
     for out, b in zip(outs, batches):
         torch.testing.assert_close(out, ref.forward_backward(*b, mode="mean"), rtol=1e-5, atol=1e-6)
-    table.flush()
+    FetchEngine().flush([table])
     torch.testing.assert_close(table.host_weight, ref.weight, rtol=1e-5, atol=1e-6)
 
 
@@ -161,7 +161,7 @@ def test_update_rules_match_fbgemm_cpu_tbe(optim):
     train_store(table, FetchEngine(InlineTransport()), batches, depth=1)
     for values, offsets, _, grad in batches:
         tbe(values, offsets).backward(grad)
-    table.flush()
+    FetchEngine().flush([table])
     torch.testing.assert_close(table.host_weight, tbe.split_embedding_weights()[0].detach(), rtol=1e-5, atol=1e-6)
     if optim is not OptimType.EXACT_SGD:
         torch.testing.assert_close(
@@ -183,8 +183,8 @@ def test_emulated_link_gives_same_result_as_inline():
         engine.close()
     outs_b = train_store(b, FetchEngine(InlineTransport()), batches, depth=2)
     assert all(torch.equal(x, y) for x, y in zip(outs_a, outs_b))
-    a.flush()
-    b.flush()
+    FetchEngine().flush([a])
+    FetchEngine().flush([b])
     assert torch.equal(a.host_weight, b.host_weight)
 
 
@@ -200,7 +200,7 @@ def test_dirty_victims_are_written_back_before_refetch():
         pooled_lookup(tb, anchor).backward(torch.ones(1, 2))
     assert host[0].tolist() == [-1.0, -1.0], "row 0's first update must have reached the host tier"
     assert table.stats.rows_written_back >= 1
-    table.flush()
+    FetchEngine().flush([table])
     assert host[0].tolist() == [-2.0, -2.0] and host[1].tolist() == [-1.0, -1.0]
 
 
@@ -280,8 +280,15 @@ def test_no_grad_lookup_releases_pins():
 
 def test_hot_rows_stay_resident_and_invalidate_needs_drain():
     table = TieredTable("t", torch.randn(30, 4), OptimizerConfig(), num_slots=6, hot_rows=torch.tensor([0, 1]))
+    engine = FetchEngine()
+
+    def plan_and_move(rows):  # a plan's moves (the hot-row preload included) run as a ticket
+        plan = table.plan(rows)
+        engine.run([plan])
+        return plan
+
     for start in range(2, 28, 4):
-        table.release(table.plan(torch.arange(start, start + 4)))
+        table.release(plan_and_move(torch.arange(start, start + 4)))
     assert set(table.resident_rows().tolist()) >= {0, 1}
     p = table.plan(torch.tensor([5]))
     with pytest.raises(StoreStateError, match="in flight"):
@@ -290,7 +297,7 @@ def test_hot_rows_stay_resident_and_invalidate_needs_drain():
     table.invalidate()
     assert table.resident_rows().numel() == 0  # hot rows come back lazily, from the host tier
     table.host_weight[0] = 42.0  # e.g. a checkpoint loaded after the invalidation
-    table.release(table.plan(torch.tensor([7])))
+    table.release(plan_and_move(torch.tensor([7])))
     assert set(table.resident_rows().tolist()) == {0, 1, 7}
     assert bool((table.cache_weight[table.row_to_slot[0]] == 42.0).all())
 
@@ -323,5 +330,5 @@ def test_property_any_stream_any_cache_equals_resident(seed, depth, extra_slots,
     ref = ResidentReference(init, cfg)
     for out, b in zip(outs, batches):
         torch.testing.assert_close(out, ref.forward_backward(*b), rtol=1e-5, atol=1e-6)
-    table.flush()
+    FetchEngine().flush([table])
     torch.testing.assert_close(table.host_weight, ref.weight, rtol=1e-5, atol=1e-6)

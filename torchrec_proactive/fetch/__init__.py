@@ -4,6 +4,7 @@ from .engine import (
     EmulatedLinkTransport,
     EngineStats,
     FetchEngine,
+    FetchFailedError,
     InlineTransport,
     LinkModel,
     Ticket,
@@ -11,7 +12,7 @@ from .engine import (
 )
 
 __all__ = [
-    "EmulatedLinkTransport", "EngineStats", "FetchEngine", "InlineTransport", "LinkModel",
+    "EmulatedLinkTransport", "EngineStats", "FetchEngine", "FetchFailedError", "InlineTransport", "LinkModel",
     "Ticket", "Transport", "make_transport",
 ]
 

@@ -92,9 +92,13 @@ class CudaStreamTransport(Transport):
             self.staging.begin()
             for plan in ticket.plans:
                 self._write_back(plan)
+                plan.stage = "written_back"
             self.staging.begin()  # write-backs were synchronous: their staging is free
             for plan in ticket.plans:
                 self._fill(plan)
+                # "done" means enqueued on the copy stream: a later CUDA error surfaces at
+                # the consumer's event wait, not as a partial move the store could undo.
+                plan.stage = "done"
             self._last_h2d = stream.record_event()
             ticket.device_event = self._last_h2d
 

@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -158,11 +159,42 @@ class EngineStats:
 _STOP = object()
 
 
+class FetchFailedError(StoreStateError):
+    """A ticket's data moves failed, or were cancelled because an earlier ticket failed."""
+
+
+def _work(work_queue: "queue.Queue[Any]", execute: Any) -> None:
+    # A plain function holding only the queue and a weak handle on the engine, so that a
+    # dropped engine is collected (its finalizer then stops this thread).
+    while True:
+        item = work_queue.get()
+        if item is _STOP:
+            return
+        engine = execute()
+        if engine is None:
+            item._finish(FetchFailedError("fetch engine was dropped with tickets queued"))
+            continue
+        engine._execute(item)
+        del engine
+
+
+def _stop_worker(work_queue: "queue.Queue[Any]", worker: threading.Thread) -> None:
+    work_queue.put(_STOP)
+    if worker is not threading.current_thread():
+        worker.join(timeout=30)
+
+
 class FetchEngine:
     """Issues tickets, executes them in order, and waits for them.
 
     ``issue`` never blocks on data (for asynchronous transports); ``wait`` blocks until the
     ticket's rows are resident and returns how long it blocked (the stall).
+
+    Failure contract: when a ticket's moves raise, that ticket and every ticket queued behind
+    it fail (the later ones never run: they were planned on top of the failed one). The
+    first ``wait``/``drain``/``issue`` on the planning thread then rolls their plans back,
+    newest first (``TieredTable.rollback``), so the store is consistent again, and raises
+    :class:`FetchFailedError`. The plans' pins stay until their owner releases them.
     """
 
     def __init__(self, transport: Optional[Transport] = None) -> None:
@@ -173,25 +205,50 @@ class FetchEngine:
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
         self._closed = False
+        self._failure: Optional[BaseException] = None  # set by the executing thread
+        self._recovered = True
+        self._finalizer: Optional[weakref.finalize] = None
         if self.transport.asynchronous:
-            self._worker = threading.Thread(target=self._work, name="proactive-fetch", daemon=True)
+            self._worker = threading.Thread(
+                target=_work, args=(self._queue, weakref.ref(self)), name="proactive-fetch", daemon=True
+            )
             self._worker.start()
+            self._finalizer = weakref.finalize(self, _stop_worker, self._queue, self._worker)
 
     # ------------------------------------------------------------------ issue / wait
     def issue(self, plans: Sequence[FetchPlan], tag: Any = None) -> Ticket:
         if self._closed:
             raise StoreStateError("fetch engine is closed")
+        self._recover()
         ticket = Ticket(self, next(self._seq), tag, list(plans))
+        try:
+            self.transport.prepare(ticket)
+        except BaseException:
+            # Nothing was queued or moved: the ticket never existed.
+            for plan in ticket.plans:
+                plan.table.rollback(plan)
+            raise
         self._outstanding[ticket.seq] = ticket
         self.stats.tickets += 1
         self.stats.bytes_moved += ticket.num_bytes
         self.stats.rows_fetched += ticket.num_rows
-        self.transport.prepare(ticket)
         if self._worker is None:
             self._execute(ticket)
         else:
             self._queue.put(ticket)
         return ticket
+
+    def run(self, plans: Sequence[FetchPlan], tag: Any = None) -> float:
+        """Issues ``plans`` and waits for them: a synchronous move that still takes its turn
+        behind every ticket issued before it. Returns the seconds spent blocked."""
+        return self.wait(self.issue(plans, tag))
+
+    def flush(self, tables: Sequence[Any]) -> None:
+        """Writes every dirty cached row of ``tables`` back to their host tier, in its turn
+        behind every queued ticket; afterwards the host tiers equal resident tables."""
+        plans = [t.plan_flush() for t in tables if bool(t.dirty.any())]
+        if plans:
+            self.run(plans, tag="flush")
 
     def wait(self, ticket: Ticket) -> float:
         """Blocks until ``ticket`` is done; returns the seconds spent blocked."""
@@ -200,10 +257,12 @@ class FetchEngine:
         t0 = time.perf_counter()
         ticket._done.wait()
         stall = time.perf_counter() - t0
+        self._recover()  # before this ticket leaves the outstanding set it may need rolling back
         if not ticket.waited:
             ticket.waited = True
             self.stats.stall_s += stall
-            self.transport.complete(ticket)
+            if ticket._error is None:
+                self.transport.complete(ticket)
             self._outstanding.pop(ticket.seq, None)
         if ticket._error is not None:
             raise ticket._error
@@ -211,44 +270,65 @@ class FetchEngine:
 
     def drain(self) -> None:
         """Waits for every issued ticket (errors of unwaited tickets are raised here)."""
+        first: Optional[BaseException] = None
         for ticket in sorted(self._outstanding.values(), key=lambda t: t.seq):
-            self.wait(ticket)
+            try:
+                self.wait(ticket)
+            except FetchFailedError as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     @property
     def in_flight(self) -> int:
         return len(self._outstanding)
 
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
-            self._queue.put(_STOP)
-            self._worker.join(timeout=30)
+        if self._finalizer is not None:
+            self._finalizer()
 
     def describe(self) -> Dict[str, Any]:
         return self.transport.describe()
 
+    # ------------------------------------------------------------------ failures
+    def _recover(self) -> None:
+        """Rolls back the plans of failed tickets once every one of them has finished."""
+        if self._recovered or self._failure is None:
+            return
+        failed = sorted((t for t in self._outstanding.values() if t._error is not None or not t.done),
+                        key=lambda t: t.seq)
+        for ticket in failed:
+            ticket._done.wait()
+        for ticket in reversed(failed):
+            for plan in reversed(ticket.plans):
+                plan.table.rollback(plan)
+        self._recovered = True
+        self._failure = None
+
     # ------------------------------------------------------------------ worker
     def _execute(self, ticket: Ticket) -> None:
         ticket.started_at = time.perf_counter()
+        if self._failure is not None:
+            ticket._finish(FetchFailedError(
+                f"fetch {ticket.seq} (batch {ticket.tag!r}) was cancelled: an earlier fetch failed "
+                f"({self._failure})"
+            ))
+            return
         try:
             self.transport.run(ticket)
         except BaseException as e:  # surfaced to whoever waits on the ticket
-            ticket._finish(e)
+            self._recovered = False
+            self._failure = e
+            err = FetchFailedError(f"fetch {ticket.seq} (batch {ticket.tag!r}) failed: {e!r}")
+            err.__cause__ = e
+            ticket._finish(err)
         else:
             ticket._finish()
         self.stats.busy_s += ticket.completed_at - ticket.started_at  # type: ignore[operator]
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            self._execute(item)
-
-    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -7,9 +7,10 @@ in feature order, ``state_dict``/``named_parameters`` over the full local shards
 *is* the stock kernel's host weight storage (taken over, not copied), so TorchRec's
 ``ShardedTensor`` views keep pointing at the right bytes after a flush.
 
-The kernel never fetches on its own unless the module is in reactive mode: a batch is made
-resident by ``plan_batch`` + the fetch engine, and ``bind`` hands the planned batch to the
-next ``forward``.
+A batch is made resident by ``plan_batch`` + the fetch engine, and ``bind`` hands the
+planned batch to the next ``forward``. A forward that nothing was bound for (a plain
+``model(batch)``, an eval loop, depth 0) plans and fetches at lookup time, as stock TorchRec
+does. Every data move, including flushes, goes through the module's one fetch engine.
 """
 
 from __future__ import annotations
@@ -19,22 +20,28 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag, BatchedFusedEmbeddingBag
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbeddingBag,
+    BatchedFusedEmbeddingBag,
+    EmbeddingFusedOptimizer,
+)
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
-from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..fetch import FetchEngine
 from ..store import (
     EvictionPolicy,
     InvalidInputError,
     NotPrefetchedError,
     OptimizerConfig,
+    OptimType,
     TableBatch,
     TieredTable,
     plan_table_batch,
-    pooled_lookup,
+    pooled_lookup_group,
 )
 from .options import ProactiveOptions
 
@@ -55,29 +62,35 @@ class PlannedGroup:
         return [tb.plan for tb in self.table_batches]
 
 
-class ProactiveFusedOptimizer(FusedOptimizer):
-    """The kernel's fused optimizer: updates happen in backward, so ``step`` only syncs the
-    learning rate from ``param_groups`` (so LR schedulers work) into the tables.
+# FBGEMM's names for each optimizer's state, in the order TorchRec lists them (TorchRec's
+# fused optimizer calls the first one "momentum1" and keeps FBGEMM's names for the rest).
+_FBGEMM_STATE_NAMES = {
+    OptimType.EXACT_SGD: (),
+    OptimType.EXACT_ADAGRAD: (("sum", "momentum1"),),
+    OptimType.EXACT_ROWWISE_ADAGRAD: (("sum", "momentum1"),),
+    OptimType.ADAM: (("exp_avg", "momentum1"), ("exp_avg_sq", "momentum2")),
+}
 
-    ``state`` maps each table's weight to its host-tier optimizer state (``momentum1``,
-    ``momentum2``, ``step``): the very tensors the tables use, so TorchRec's
-    ``CombinedOptimizer`` saves and loads them in place. Reading ``state`` first flushes
-    dirty cached rows to the host tier; ``post_load_state_dict`` (TorchRec's hook, called
-    after a load) drops the caches so the loaded values are what the next batch sees.
+
+class ProactiveFusedOptimizer(EmbeddingFusedOptimizer):
+    """TorchRec's own fused optimizer over the host tier, so ``state_dict()`` has stock's
+    keys, ``ShardedTensor`` types and shapes (``{table}.momentum1`` ...).
+
+    Updates happen in backward, so ``step`` only syncs the learning rate from
+    ``param_groups`` (LR schedulers work). Reading ``state`` first writes every dirty cached
+    row back through the fetch engine (behind any queued ticket), so the host tensors it
+    returns are current at any moment between batches; ``post_load_state_dict`` (TorchRec's
+    hook, called after a load) drops the caches so the next batch sees the loaded values.
+    Adam's step counter follows FBGEMM: not in the state dict, set with ``set_optimizer_step``.
     """
 
-    def __init__(self, kernel: "ProactiveEmbeddingBag") -> None:
+    def __init__(self, kernel: "ProactiveEmbeddingBag", pg: Optional[Any]) -> None:
         self._kernel = kernel
-        params: Dict[str, torch.Tensor] = {}
-        state: Dict[Any, Any] = {}
-        for key, table in kernel.named_tables():
-            params[f"{key}.weight"] = table.host_weight
-            st = {f"{key}.{name}": tensor for name, tensor in table.host_state.items()}
-            st[f"{key}.step"] = table.steps
-            state[table.host_weight] = st
-        opt = kernel.optimizer_config
-        group = {"params": list(params.values()), "lr": opt.learning_rate, "eps": opt.eps, "optimizer": opt.optim.value}
-        super().__init__(params, state, [group])
+        super().__init__(
+            kernel.config, kernel, pg,  # type: ignore[arg-type]
+            embedding_weights_by_table=kernel.split_embedding_weights(),
+            all_optimizer_states=kernel.get_optimizer_state(),
+        )
 
     @property  # type: ignore[override]
     def state(self) -> Dict[Any, Any]:
@@ -87,12 +100,6 @@ class ProactiveFusedOptimizer(FusedOptimizer):
     @state.setter
     def state(self, value: Dict[Any, Any]) -> None:
         self._state = value
-
-    def step(self, closure: Any = None) -> None:
-        self._kernel.set_learning_rate(float(self.param_groups[0]["lr"]))
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        pass
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
@@ -109,16 +116,23 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         host_buffer: torch.Tensor,
         options: ProactiveOptions,
         user_fused_params: Mapping[str, Any],
+        engine: FetchEngine,
         pg: Optional[Any] = None,
         device: Optional[torch.device] = None,
         sharding_type: Optional[Any] = None,
+        pooling_mode: Optional[PoolingMode] = None,
     ) -> None:
         super().__init__(config, pg, device, sharding_type)
+        if pooling_mode is not None:
+            self._pooling = pooling_mode
         self._device = device or torch.device("cpu")
         self._options = options
         self._host_buffer = host_buffer
+        self._engine = engine
         self.optimizer_config = OptimizerConfig.from_fused_params(user_fused_params)
-        self._mode = "mean" if config.pooling == PoolingType.MEAN else "sum"
+        # TorchRec's choice for this sharding type: row-wise shardings pool mean as a sum
+        # here and divide after the output all-to-all, when all of a bag's rows are summed.
+        self._mode = "mean" if self._pooling == PoolingMode.MEAN else "sum"
         self.tables: List[TieredTable] = []
         self._table_features: List[Tuple[int, int]] = []  # feature range of each table
         first = 0
@@ -150,8 +164,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
         self.prefetch_depth = 0
-        self.reactive_engine: Any = None  # set by the sharded module; used only at depth 0
-        self._optim = ProactiveFusedOptimizer(self)
+        self._optim = ProactiveFusedOptimizer(self, pg)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -160,17 +173,19 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         stock: BatchedFusedEmbeddingBag,
         options: ProactiveOptions,
         user_fused_params: Mapping[str, Any],
+        engine: FetchEngine,
         pg: Optional[Any],
         device: Optional[torch.device],
     ) -> "ProactiveEmbeddingBag":
         """Takes over the host weight storage of a stock fused kernel (no copy, same init).
 
-        ``user_fused_params`` are the table's fused params as the user gave them (the stock
+        ``user_fused_params`` are the group's fused params as the user gave them (the stock
         kernel was built with plain SGD, see the sharded module)."""
         views = [w.detach() for w in stock.split_embedding_weights()]
         emb = stock.emb_module
         buffer = emb.weights_host if emb.weights_host.numel() else emb.weights_uvm
-        return cls(stock.config, views, buffer, options, user_fused_params, pg, device)
+        return cls(stock.config, views, buffer, options, user_fused_params, engine, pg, device,
+                   pooling_mode=stock._pooling)  # noqa: SLF001 - as TorchRec chose it for this sharding
 
     # ------------------------------------------------------------------ TorchRec contract
     @property
@@ -180,6 +195,38 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     def split_embedding_weights(self) -> List[torch.Tensor]:  # type: ignore[override]
         return [t.host_weight for t in self.tables]
+
+    def get_optimizer_state(self) -> List[Dict[str, torch.Tensor]]:
+        """Per table, the host-tier optimizer state under FBGEMM's names (``sum``, ``exp_avg`` ...)."""
+        names = _FBGEMM_STATE_NAMES[self.optimizer_config.optim]
+        return [{fbgemm: t.host_state[ours] for fbgemm, ours in names} for t in self.tables]
+
+    def get_learning_rate(self) -> float:
+        return self.optimizer_config.learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.update_hyper_parameters({"learning_rate": lr})
+
+    def update_hyper_parameters(self, params_dict: Mapping[str, float]) -> None:
+        """FBGEMM's names: ``learning_rate``/``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``."""
+        known = {"learning_rate", "eps", "beta1", "beta2", "weight_decay"}
+        changes = {("learning_rate" if k == "lr" else k): float(v) for k, v in params_dict.items()}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"tables {self.table_names()}: unknown hyper-parameters {unknown}; known: {sorted(known)}")
+        if all(getattr(self.optimizer_config, k) == v for k, v in changes.items()):
+            return
+        self.optimizer_config = replace(self.optimizer_config, **changes)
+        for t in self.tables:
+            t.optimizer = self.optimizer_config
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Sets the optimizer step of every table (Adam's bias correction), as FBGEMM does."""
+        for t in self.tables:
+            t.step = int(step)
+
+    def table_names(self) -> List[str]:
+        return [t.name for t in self.tables]
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
@@ -229,21 +276,19 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             yield (cfg.name if n == 0 else f"{cfg.name}@{n}"), table
 
     def flush(self) -> None:
-        for t in self.tables:
-            t.flush()
+        """Writes dirty cached rows back to the host tier, behind every queued fetch."""
+        self._engine.flush(self.tables)
 
     def purge(self) -> None:
+        """TorchRec calls this before a load: no trained row may be dropped, so flush first."""
+        self.flush()
         self.invalidate()
 
     def invalidate(self) -> None:
+        """Drops the cached rows (after the host tier was loaded); needs no batch in flight."""
+        self._engine.drain()
         for t in self.tables:
             t.invalidate()
-
-    def set_learning_rate(self, lr: float) -> None:
-        if lr != self.optimizer_config.learning_rate:
-            self.optimizer_config = replace(self.optimizer_config, learning_rate=lr)
-            for t in self.tables:
-                t.optimizer = self.optimizer_config
 
     # ------------------------------------------------------------------ data path
     def plan_batch(self, features: KeyedJaggedTensor) -> PlannedGroup:
@@ -267,12 +312,22 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                     plan_table_batch(table, values[lo:hi], tab_offsets, self._mode, self.prefetch_depth or None)
                 )
         except Exception:
-            # Nothing planned so far may stay pinned or half-mapped: move the data of what
-            # was planned (keeps row_to_slot truthful) and unpin it, then re-raise.
-            for tb in batches:
-                tb.table.abandon(tb.plan)
+            # Nothing planned so far may stay pinned or half-mapped: the planned tables'
+            # moves still run, in their turn on the engine (keeps row_to_slot truthful and
+            # queued write-backs ahead of them), then their pins are released.
+            self.abandon(batches)
             raise
         return PlannedGroup(self, batches, stride, int(values.numel()), weights, ranges)
+
+    def abandon(self, batches: List[TableBatch]) -> None:
+        """Gives up planned batches whose fetch was never issued and that will never be
+        looked up: their moves still run, in their turn, then they are unpinned."""
+        try:
+            if batches:
+                self._engine.run([tb.plan for tb in batches], tag="abandon")
+        finally:
+            for tb in batches:
+                tb.table.release(tb.plan)
 
     def bind(self, planned: PlannedGroup) -> None:
         """Hands a planned (and transferred) batch to the next ``forward``."""
@@ -285,34 +340,39 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         planned, self._bound = self._bound, None
         if planned is None:
-            if self.prefetch_depth != 0 or self.reactive_engine is None:
-                raise NotPrefetchedError(
-                    f"tables {[t.name for t in self.tables]}: lookup of a batch that was not prefetched "
-                    f"(prefetch_depth={self.prefetch_depth}); run batches through ProactiveTrainPipeline "
-                    f"or use prefetch_depth=0 (reactive)"
-                )
+            # Nothing prefetched this batch (plain forward, eval loop, depth 0): fetch now,
+            # on the critical path, in its turn behind any queued ticket.
             planned = self.plan_batch(features)
-            self.reactive_engine.wait(self.reactive_engine.issue(planned.plans, tag="reactive"))
+            try:
+                self._engine.run(planned.plans, tag="lookup")
+            except BaseException:
+                self._release(planned)
+                raise
         if features.stride() != planned.stride or features.values().numel() != planned.num_values:
-            for tb in planned.table_batches:
-                tb.table.release(tb.plan)
+            self._release(planned)
             raise NotPrefetchedError(
-                f"tables {[t.name for t in self.tables]}: the prefetched batch (stride {planned.stride}, "
+                f"tables {self.table_names()}: the prefetched batch (stride {planned.stride}, "
                 f"{planned.num_values} ids) is not the batch being looked up (stride {features.stride()}, "
                 f"{features.values().numel()} ids)"
             )
-        outputs = []
         weights = planned.weights
+        psw = [None if weights is None else weights[lo:hi] for lo, hi in planned.value_ranges]
+        # Only a training forward may update the rows: in eval mode the lookup is read-only
+        # and releases its pins at once, with or without torch.no_grad().
+        pooled = pooled_lookup_group(planned.table_batches, self._anchor, psw, train=self.training)
         stride = planned.stride
-        for tb, (f0, f1), (lo, hi) in zip(planned.table_batches, self._table_features, planned.value_ranges):
-            psw = None if weights is None else weights[lo:hi]
-            pooled = pooled_lookup(tb, self._anchor, psw)  # [(f1 - f0) * B, dim]
-            n_feat = f1 - f0
+        outputs = []
+        for out, (f0, f1) in zip(pooled, self._table_features):
             # TorchRec's layout is [B, sum(dims)] with features side by side.
-            outputs.append(pooled.view(n_feat, stride, -1).transpose(0, 1).reshape(stride, -1))
+            outputs.append(out.view(f1 - f0, stride, -1).transpose(0, 1).reshape(stride, -1))
         if len(outputs) == 1:
             return outputs[0]
         return torch.cat(outputs, dim=1)
+
+    @staticmethod
+    def _release(planned: PlannedGroup) -> None:
+        for tb in planned.table_batches:
+            tb.table.release(tb.plan)
 
     def check_invariants(self, expect_drained: bool = False) -> None:
         for t in self.tables:

@@ -34,6 +34,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelin
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
+from ..fetch import FetchFailedError
 from ..store import InvalidInputError, StoreStateError
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 from .tracing import PipelineTracer
@@ -85,6 +86,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         # Names of the contexts whose ids were waited for (and fetch issued when k >= 1).
         self._prefetched: set = set()
         self._consistency_checked = False
+        self._failure: Optional[BaseException] = None
         # Before the model is rewritten, plain calls go straight to the sharded modules:
         # tell them the depth now so a bypassed pipeline fails loudly instead of silently.
         for module in self._find_proactive_modules(model):
@@ -175,6 +177,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
                 module_ctx.record_stream(current)
             module_ctx.batch_index = context.index  # type: ignore[attr-defined]
             if self.prefetch_depth > 0 and isinstance(module, ProactiveShardedEmbeddingBagCollection):
+                module_ctx.prefetch_expected = True  # type: ignore[attr-defined]
                 module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_ctx)
             context.module_input_post_prefetch[name] = dist_input
             context.module_contexts_post_prefetch[name] = module_ctx
@@ -200,6 +203,25 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             self.wait_sparse_data_dist(self.contexts[j])
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """One training (or, in ``model.eval()``, evaluation) step; see the module docstring.
+
+        If a step raises, the pipeline's in-flight batches are in an unknown stage: every
+        later call raises :class:`StoreStateError` until ``reset()`` releases them.
+        """
+        if self._failure is not None:
+            raise StoreStateError(
+                f"the pipeline stopped on an error in an earlier progress() call ({self._failure!r}); "
+                f"call pipeline.reset() to release its in-flight batches before calling progress() again"
+            )
+        try:
+            return self._progress(dataloader_iter)
+        except StopIteration:
+            raise
+        except BaseException as e:
+            self._failure = e
+            raise
+
+    def _progress(self, dataloader_iter: Iterator[Any]) -> Any:
         if not self._model_attached:
             self.attach(self._model)
         self.fill_pipeline(dataloader_iter)
@@ -277,11 +299,15 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
                 fetch = getattr(module_ctx, "fetch", None)
                 if fetch is None:
                     continue
-                fetch.ticket._engine.wait(fetch.ticket)
-                for group in fetch.groups:
-                    for tb in group.table_batches:
-                        tb.table.release(tb.plan)
                 module_ctx.fetch = None
+                # Its moves complete in order (or failed and were rolled back by the
+                # engine), then every group of the batch is unpinned.
+                try:
+                    fetch.ticket._engine.wait(fetch.ticket)
+                except FetchFailedError:
+                    pass
+                finally:
+                    ProactiveShardedEmbeddingBagCollection._release_fetch(fetch)
         # Input all-to-alls already launched must complete on every rank before we forget them.
         for context in self.contexts:
             if context.fused_splits_awaitables:
@@ -291,6 +317,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         for module in self._proactive_modules:
             module.release_unfinished()
         self._prefetched.clear()
+        self._failure = None
         super().reset()
         self._check_drained()
 

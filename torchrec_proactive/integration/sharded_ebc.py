@@ -58,6 +58,22 @@ def is_proactive_group(config: Any) -> bool:
     )
 
 
+def _local_grouped_configs(sharding: Any) -> List[Any]:
+    """This rank's lookup groups of a TorchRec embedding sharding, before its lookup exists.
+
+    TorchRec keeps them in ``_grouped_embedding_configs`` (TW/RW/CW/DP) or per rank in
+    ``_grouped_embedding_configs_per_rank`` (TWRW, grid); there is no public accessor.
+    """
+    configs: List[Any] = []
+    per_rank = getattr(sharding, "_grouped_embedding_configs_per_rank", None)
+    rank = getattr(sharding, "_rank", None)
+    if per_rank is not None and rank is not None and rank < len(per_rank):
+        configs.extend(per_rank[rank])
+    configs.extend(getattr(sharding, "_grouped_embedding_configs", None) or [])
+    unique: Dict[int, Any] = {id(c): c for c in configs}
+    return list(unique.values())
+
+
 @dataclass
 class BatchFetch:
     """One batch's fetch: the ticket and the planned groups it makes resident."""
@@ -74,7 +90,11 @@ class BatchFetch:
 
 @dataclass
 class ProactiveEBCContext(EmbeddingBagCollectionContext):
+    """The batch's fetch, carried from ``prefetch`` to ``compute_and_output_dist``;
+    ``prefetch_expected`` is set by a pipeline that promised to prefetch this batch."""
+
     fetch: Optional[BatchFetch] = None
+    prefetch_expected: bool = False
 
 
 @dataclass
@@ -128,19 +148,22 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """
 
     def __init__(self, *args: Any, proactive_options: Optional[ProactiveOptions] = None, **kwargs: Any) -> None:
-        # Needed by _create_lookups, which the parent constructor calls.
+        # Needed by _create_lookups, which the parent constructor calls. The module's one
+        # fetch engine owns the order of every data move of every proactive kernel.
         self._proactive_options = proactive_options or ProactiveOptions()
         self._proactive_kernels: List[ProactiveEmbeddingBag] = []
-        self._user_fused_params: Dict[str, Dict[str, Any]] = {}
-        super().__init__(*args, **kwargs)
-        device = self._device or torch.device("cpu")
+        self._user_fused_params: Dict[int, Dict[str, Any]] = {}  # id(group config) -> user's params
+        device = kwargs.get("device") or torch.device("cpu")
         self._fetch_engine = FetchEngine(make_transport(device, self._proactive_options.link))
-        for kernel in self._proactive_kernels:
-            kernel.reactive_engine = self._fetch_engine
+        super().__init__(*args, **kwargs)
         self.prefetch_depth = 0
         self.proactive_stats = ProactiveStats()
         self._consumed: List[BatchFetch] = []
         self._validator = InputValidator(self._embedding_bag_configs)
+        # Set by the pipeline for the batch it is running; a forward of such a batch whose
+        # fetch is missing is a pipeline bug, not a plain forward.
+        # TorchRec's own pre-load hook purges the kernels (flush, then drop: see the kernel);
+        # a load of only some keys (strict=False) therefore keeps every trained row.
         self.register_load_state_dict_pre_hook(lambda *a, **k: self.flush_cache())
         self.register_load_state_dict_post_hook(lambda *a, **k: self.invalidate_cache())
 
@@ -169,9 +192,10 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         f"tables {config.table_names()}: proactive caching needs the fused kernel, "
                         f"TorchRec built {type(stock).__name__}"
                     )
-                user_fused = self._user_fused_params[config.embedding_tables[0].name]
+                user_fused = self._user_fused_params[id(config)]
                 kernel = ProactiveEmbeddingBag.from_stock(
-                    stock, self._proactive_options, user_fused, pg=stock._pg, device=self._device,
+                    stock, self._proactive_options, user_fused, self._fetch_engine,
+                    pg=stock._pg, device=self._device,
                 )
                 modules[g] = kernel
                 self._proactive_kernels.append(kernel)
@@ -187,26 +211,24 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         permute_embeddings: bool = False,
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
     ) -> Any:
-        # The stock fused kernel TorchRec builds for a proactive group only lends us its
-        # host weight storage. Build it with plain SGD (no optimizer state to allocate, and
-        # supported on every FBGEMM backend, unlike e.g. Adam on CPU) and remember the
-        # user's optimizer per table for ProactiveEmbeddingBag. (TorchRec calls this
-        # classmethod through the instance, which is what lets us keep per-module state.)
-        infos = []
-        for info in sharding_infos:
-            fused = dict(info.fused_params or {})
-            if (
-                info.param_sharding.compute_kernel == EmbeddingComputeKernel.FUSED_UVM_CACHING.value
-                and fused.get("prefetch_pipeline", False)
-            ):
-                self._user_fused_params[info.embedding_config.name] = dict(fused)
-                fused["optimizer"] = EmbOptimType.EXACT_SGD
-                info = dataclasses.replace(info, fused_params=fused)
-            infos.append(info)
-        return ShardedEmbeddingBagCollection.create_embedding_bag_sharding.__func__(  # type: ignore[attr-defined]
-            type(self), infos, env, device, permute_embeddings=permute_embeddings,
+        # TorchRec groups the tables by their fused params here (per-table optimizers stay
+        # in separate groups, exactly as stock). Only then is each proactive group's copy of
+        # them changed: the stock fused kernel TorchRec builds for it only lends us its host
+        # weight storage, so build it with plain SGD (no optimizer state to allocate, and
+        # supported on every FBGEMM backend, unlike e.g. Adam on CPU); the user's params go
+        # to ProactiveEmbeddingBag. (TorchRec calls this classmethod through the instance,
+        # which is what lets us keep per-module state.)
+        sharding = ShardedEmbeddingBagCollection.create_embedding_bag_sharding.__func__(  # type: ignore[attr-defined]
+            type(self), sharding_infos, env, device, permute_embeddings=permute_embeddings,
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
+        for config in _local_grouped_configs(sharding):
+            if is_proactive_group(config) and id(config) not in self._user_fused_params:
+                fused = dict(config.fused_params or {})
+                self._user_fused_params[id(config)] = dict(fused)
+                fused["optimizer"] = EmbOptimType.EXACT_SGD
+                config.fused_params = fused
+        return sharding
 
     def reset_parameters(self) -> None:
         """TorchRec re-initialises the weights (the host tier) in place, e.g. for meta-built
@@ -243,18 +265,23 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
         fetch: Optional[BatchFetch] = getattr(ctx, "fetch", None)
         if fetch is None and self._proactive_kernels:
-            if self.prefetch_depth != 0:
+            if getattr(ctx, "prefetch_expected", False):
                 raise NotPrefetchedError(
-                    f"{self._module_fqn or 'embedding module'}: batch was not prefetched but "
-                    f"prefetch_depth={self.prefetch_depth}; only the reactive mode (depth 0) "
-                    f"fetches at lookup time"
+                    f"{self._module_fqn or 'embedding module'}: batch {getattr(ctx, 'batch_index', None)} "
+                    f"was promised a prefetch by the pipeline (prefetch_depth={self.prefetch_depth}) "
+                    f"but none was issued"
                 )
+            # A plain forward (eval loop, after pipeline.detach(), depth 0): fetch now.
             fetch = self._issue(input, getattr(ctx, "batch_index", None))
         if fetch is not None:
             ctx.fetch = None  # type: ignore[attr-defined]
             self._consumed = [f for f in self._consumed if not f.released] + [fetch]
             lookup_started = time.perf_counter()
-            stall = self._fetch_engine.wait(fetch.ticket)
+            try:
+                stall = self._fetch_engine.wait(fetch.ticket)
+            except BaseException:
+                self._release_fetch(fetch)
+                raise
             self._account(fetch, stall, lookup_started)
             for group in fetch.groups:
                 group.kernel.bind(group)
@@ -276,13 +303,25 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     if kernel is not None:
                         groups.append(kernel.plan_batch(group_features))
         except Exception:
-            for group in groups:  # undo the pins of the groups that were planned
-                for tb in group.table_batches:
-                    tb.table.abandon(tb.plan)
+            # The groups planned so far still move their rows, in turn, then are unpinned.
+            for group in groups:
+                group.kernel.abandon(group.table_batches)
             raise
         plans = [p for g in groups for p in g.plans]
-        ticket = self._fetch_engine.issue(plans, tag=index)
+        try:
+            ticket = self._fetch_engine.issue(plans, tag=index)
+        except BaseException:
+            for group in groups:
+                for tb in group.table_batches:
+                    tb.table.release(tb.plan)
+            raise
         return BatchFetch(ticket, groups, index)
+
+    @staticmethod
+    def _release_fetch(fetch: BatchFetch) -> None:
+        for group in fetch.groups:
+            for tb in group.table_batches:
+                tb.table.release(tb.plan)
 
     def _account(self, fetch: BatchFetch, stall: float, lookup_started: float) -> None:
         st = self.proactive_stats
@@ -340,14 +379,13 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             kernel.prefetch_depth = depth
 
     def flush_cache(self) -> None:
-        """Writes dirty cached rows back to the host tier (the state-dict storage)."""
-        self._fetch_engine.drain()
+        """Writes dirty cached rows back to the host tier (the state-dict storage), behind
+        every queued fetch."""
         for kernel in self._proactive_kernels:
             kernel.flush()
 
     def invalidate_cache(self) -> None:
         """Drops cached rows (after the host tier was loaded); needs no batch in flight."""
-        self._fetch_engine.drain()
         for kernel in self._proactive_kernels:
             kernel.invalidate()
 

@@ -13,7 +13,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from ..fetch import LinkModel
 from .options import ProactiveOptions
+from .planner_support import register_cpu_cached_kernel
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
+
+# TorchRec's planner must be able to rate the cached kernel on CPU (see planner_support).
+register_cpu_cached_kernel()
 
 _CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 # The sharding types proven exact against stock TorchRec by the 2-rank tests.

@@ -31,10 +31,11 @@ class InputValidator:
         key = tuple(keys)
         limits = self._limits_cache.get(key)
         if limits is None:
-            unknown = [k for k in keys if k not in self._rows_of]
-            if unknown:
-                raise InvalidInputError(f"features {unknown} are not fed to any table of this EmbeddingBagCollection")
-            limits = torch.tensor([self._rows_of[k] for k in keys], dtype=torch.int64)
+            # Features of other modules may ride in the same KJT (several EBCs fed from one
+            # KJT): TorchRec's input dist routes each module its own, so they are not ours
+            # to check here and get no limit.
+            unbounded = torch.iinfo(torch.int64).max
+            limits = torch.tensor([self._rows_of.get(k, unbounded) for k in keys], dtype=torch.int64)
             self._limits_cache[key] = limits
         return limits
 
@@ -56,9 +57,11 @@ class InputValidator:
         if values.numel() == 0:
             return
         per_key = torch.tensor(features.length_per_key(), dtype=torch.int64)
-        limit = self._limits(keys).repeat_interleave(per_key)
+        limits = self._limits(keys)
+        limit = limits.repeat_interleave(per_key)
+        ours = (limits != torch.iinfo(torch.int64).max).repeat_interleave(per_key)
         v = values.to(torch.int64).cpu()
-        bad = (v < 0) | (v >= limit)
+        bad = ((v < 0) & ours) | (v >= limit)
         if not bool(bad.any()):
             return
         i = int(torch.nonzero(bad)[0])

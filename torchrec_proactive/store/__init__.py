@@ -9,7 +9,7 @@ from .errors import (
     StoreStateError,
 )
 from .eviction import EvictionPolicy
-from .lookup import TableBatch, plan_table_batch, pooled_lookup
+from .lookup import TableBatch, plan_table_batch, pooled_lookup, pooled_lookup_group
 from .optimizers import OptimizerConfig, OptimType, apply_row_update
 from .tiered_table import FetchPlan, TableStats, TieredTable, unique_rows
 
@@ -17,5 +17,5 @@ __all__ = [
     "CacheCapacityError", "EvictionPolicy", "FetchPlan", "IdOutOfRangeError", "InvalidInputError",
     "NotPrefetchedError", "OptimType", "OptimizerConfig", "ProactiveError", "StoreStateError",
     "TableBatch", "TableStats", "TieredTable", "apply_row_update", "plan_table_batch",
-    "pooled_lookup", "unique_rows",
+    "pooled_lookup", "pooled_lookup_group", "unique_rows",
 ]

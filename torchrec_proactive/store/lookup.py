@@ -10,7 +10,7 @@ gradient ever flows to a weight tensor: the update is "fused", like FBGEMM's TBE
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,12 @@ def plan_table_batch(
         raise InvalidInputError(
             f"table '{table.name}': offsets end at {int(offsets[-1])} but there are {values.numel()} ids"
         )
+    if offsets.numel() > 1 and not bool((offsets[1:] >= offsets[:-1]).all()):
+        bag = int(torch.nonzero(offsets[1:] < offsets[:-1])[0])
+        raise InvalidInputError(
+            f"table '{table.name}': offsets decrease at bag {bag} ({int(offsets[bag])} -> "
+            f"{int(offsets[bag + 1])}); offsets must be non-decreasing"
+        )
     if mode not in ("sum", "mean"):
         raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
     rows, inverse = unique_rows(values)
@@ -80,46 +86,108 @@ def plan_table_batch(
     return TableBatch(plan, inverse.to(device), offsets.to(device=device, dtype=torch.int64), mode)
 
 
-class _PooledLookup(torch.autograd.Function):
+def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
+    return F.embedding_bag(
+        batch.slot_ids, batch.table.cache_weight, batch.offsets, mode=batch.mode,
+        per_sample_weights=per_sample_weights, include_last_offset=True,
+    )
+
+
+def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Tensor], want_psw_grad: bool):
+    """Gradient per unique row of ``batch`` (summed in row order), and of the sample weights."""
+    table = batch.table
+    g = grad_out.index_select(0, batch.bag_of_value)
+    if batch.mode == "mean":
+        g = g / batch.lengths[batch.bag_of_value].clamp(min=1).unsqueeze(1).to(g.dtype)
+    grad_psw = None
+    if psw is not None:
+        if want_psw_grad:
+            grad_psw = (g * table.cache_weight[batch.slot_ids]).sum(dim=1)
+        g = g * psw.unsqueeze(1)
+    row_grads = torch.zeros(batch.plan.num_rows, table.dim, dtype=g.dtype, device=g.device)
+    row_grads.index_add_(0, batch.inverse, g)
+    return row_grads, grad_psw
+
+
+class _GroupLookup(torch.autograd.Function):
+    """Pooled lookups of several tables' batches as one autograd node.
+
+    One node, so that the fused update of a group is all-or-nothing: backward computes every
+    table's row gradients, refuses the whole group if any is non-finite (no table changed),
+    and only then applies the optimizer to each table.
+    """
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
         anchor: torch.Tensor,
-        batch: TableBatch,
-        per_sample_weights: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        table = batch.table
-        slot_ids = batch.slot_ids
-        out = F.embedding_bag(
-            slot_ids, table.cache_weight, batch.offsets, mode=batch.mode,
-            per_sample_weights=per_sample_weights, include_last_offset=True,
-        )
+        batches: List[TableBatch],
+        weights: List[Optional[torch.Tensor]],
+        *psw_inputs: torch.Tensor,
+    ) -> Tuple[torch.Tensor, ...]:
         # The cache is deliberately not saved with save_for_backward: the fetch engine
         # writes other slots of it while this batch is in flight, and those writes must not
         # trip autograd's version check. Our own slots are pinned until backward is done.
-        ctx.batch = batch
-        ctx.slot_ids = slot_ids
-        ctx.psw = per_sample_weights
-        return out
+        ctx.batches = batches
+        ctx.weights = weights
+        return tuple(_pool(b, w) for b, w in zip(batches, weights))
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        batch: TableBatch = ctx.batch  # type: ignore[attr-defined]
-        psw: Optional[torch.Tensor] = ctx.psw  # type: ignore[attr-defined]
-        table = batch.table
-        lengths, bag_of_value = batch.lengths, batch.bag_of_value
-        g = grad_out.index_select(0, bag_of_value)
-        if batch.mode == "mean":
-            g = g / lengths[bag_of_value].clamp(min=1).unsqueeze(1).to(g.dtype)
-        grad_psw = None
-        if psw is not None:
-            if ctx.needs_input_grad[2]:
-                grad_psw = (g * table.cache_weight[ctx.slot_ids]).sum(dim=1)  # type: ignore[attr-defined]
-            g = g * psw.unsqueeze(1)
-        row_grads = torch.zeros(batch.plan.rows.numel(), table.dim, dtype=g.dtype, device=g.device)
-        row_grads.index_add_(0, batch.inverse, g)
-        table.apply_gradients(batch.plan, row_grads)
-        return None, None, grad_psw
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grad_outs: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        batches: List[TableBatch] = ctx.batches  # type: ignore[attr-defined]
+        weights: List[Optional[torch.Tensor]] = ctx.weights  # type: ignore[attr-defined]
+        weighted = [i for i, w in enumerate(weights) if w is not None]
+        want_psw = ctx.needs_input_grad[3:]  # type: ignore[attr-defined]
+        grads, psw_grads = [], []
+        for i, (batch, g, w) in enumerate(zip(batches, grad_outs, weights)):
+            if g is None:  # output unused by the loss: zero gradient, as for a resident table
+                g = torch.zeros(batch.num_bags, batch.table.dim, device=batch.table.device)
+            k = weighted.index(i) if w is not None else -1
+            row_grads, grad_psw = _row_grads(batch, g, w, bool(k >= 0 and want_psw[k]))
+            grads.append(row_grads)
+            if w is not None:
+                psw_grads.append(grad_psw)
+        bad = [b.table for b, rg in zip(batches, grads) if not bool(torch.isfinite(rg.sum()))]
+        if bad:
+            for b in batches:
+                b.table.release(b.plan)
+            names = ", ".join(f"'{t.name}'" for t in bad)
+            raise InvalidInputError(
+                f"non-finite gradient reached table(s) {names}; the update of this batch was skipped "
+                f"for all {len(batches)} table(s) of the group, which are unchanged"
+            )
+        for batch, row_grads in zip(batches, grads):
+            batch.table.apply_gradients(batch.plan, row_grads, checked=True)
+        return (None, None, None, *psw_grads)
+
+
+def pooled_lookup_group(
+    batches: Sequence[TableBatch],
+    anchor: torch.Tensor,
+    per_sample_weights: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    train: bool = True,
+) -> List[torch.Tensor]:
+    """``[num_bags, dim]`` pooled embeddings of each planned (and transferred) batch.
+
+    With ``train`` and grad enabled, backward applies each table's fused optimizer, all or
+    nothing, and releases the plans. Otherwise (evaluation, ``torch.no_grad()``) the lookup
+    is read-only and the plans are released right away, so no pin outlives the call.
+    ``anchor`` is any tensor with ``requires_grad=True``; it only connects the graph.
+    """
+    batches = list(batches)
+    weights = list(per_sample_weights) if per_sample_weights is not None else [None] * len(batches)
+    for b, w in zip(batches, weights):
+        if w is not None and b.mode != "sum":
+            raise InvalidInputError(f"table '{b.table.name}': per-sample weights need 'sum' pooling")
+    if train and torch.is_grad_enabled():
+        psw_inputs = [w for w in weights if w is not None]
+        return list(_GroupLookup.apply(anchor, batches, weights, *psw_inputs))
+    try:
+        with torch.no_grad():
+            return [_pool(b, w) for b, w in zip(batches, weights)]
+    finally:
+        for b in batches:
+            b.table.release(b.plan)
 
 
 def pooled_lookup(
@@ -127,21 +195,5 @@ def pooled_lookup(
     anchor: torch.Tensor,
     per_sample_weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``[num_bags, dim]`` pooled embeddings of a planned (and transferred) batch.
-
-    With grad enabled, backward applies the table's fused optimizer and releases the plan;
-    without grad (evaluation) the plan is released right away so no pin outlives the call.
-    ``anchor`` is any tensor with ``requires_grad=True``; it only connects the graph.
-    """
-    if per_sample_weights is not None and batch.mode != "sum":
-        raise InvalidInputError(f"table '{batch.table.name}': per-sample weights need 'sum' pooling")
-    if torch.is_grad_enabled():
-        return _PooledLookup.apply(anchor, batch, per_sample_weights)
-    with torch.no_grad():
-        table = batch.table
-        out = F.embedding_bag(
-            batch.slot_ids, table.cache_weight, batch.offsets,
-            mode=batch.mode, per_sample_weights=per_sample_weights, include_last_offset=True,
-        )
-    table.release(batch.plan)
-    return out
+    """``[num_bags, dim]`` pooled embeddings of one planned batch (see ``pooled_lookup_group``)."""
+    return pooled_lookup_group([batch], anchor, [per_sample_weights])[0]

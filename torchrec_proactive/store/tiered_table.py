@@ -11,7 +11,12 @@ Data path, top to bottom:
 3. ``lookup(...)``     - pooled bags read through ``row -> slot`` (``pooled_lookup`` in lookup.py).
 4. ``apply_gradients`` - the fused optimizer updates the slots in backward, marks them dirty,
                          and releases the batch's pins.
-5. ``flush()``         - writes every dirty slot back, so the host tier equals a resident table.
+5. ``plan_flush()``    - a write-back of every dirty slot, so the host tier equals a resident table.
+
+Every byte moved between the tiers (fills, write-backs, the preload folded into the first
+plan, flushes) is described by a ``FetchPlan`` and moved by ``transfer`` when the fetch engine
+runs its ticket: the engine is the one owner of the order of data moves. A failed move is
+undone with ``rollback``.
 
 Invariants (checked by ``check_invariants``):
 
@@ -53,6 +58,9 @@ class FetchPlan:
     writeback_rows: torch.Tensor
     writeback_slots: torch.Tensor
     released: bool = False
+    # How far the data moves got: "planned" -> "written_back" -> "done". Set by whoever
+    # moves the bytes (a transport); read by ``TieredTable.rollback`` after a failure.
+    stage: str = "planned"
     # Sizes as plain ints (the hot path reads them; tensor .numel() calls add up).
     num_rows: int = -1
     num_fills: int = -1
@@ -228,15 +236,32 @@ class TieredTable:
             f"table '{s.global_name}': id {bad} is out of range [0, {self.num_rows})"
         )
 
+    def _check_plan_rows(self, rows: torch.Tensor) -> None:
+        """``plan`` needs unique, sorted int64 host rows: duplicates would map one row to two
+        slots. One comparison pass; cheap next to the planning it protects."""
+        if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device.type != "cpu":
+            raise InvalidInputError(
+                f"table '{self.name}': rows to plan must be a 1-D int64 CPU tensor, got "
+                f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}"
+            )
+        if rows.numel() > 1:
+            steps = rows[1:] - rows[:-1]
+            if not bool((steps > 0).all()):
+                i = int(torch.nonzero(steps <= 0)[0])
+                raise InvalidInputError(
+                    f"table '{self.name}': rows to plan must be unique and sorted; row {int(rows[i + 1])} "
+                    f"follows row {int(rows[i])} at position {i + 1} (use unique_rows())"
+                )
+
     def plan(self, rows: torch.Tensor, depth_hint: Optional[int] = None) -> FetchPlan:
         """Plans the residency of ``rows`` (unique, sorted, int64, on the host) and pins them.
 
         Raises ``CacheCapacityError`` (changing nothing) when the misses do not fit in the
         slots that no in-flight batch pins. ``depth_hint`` only improves that message.
         """
+        self._check_plan_rows(rows)
         self.validate_rows(rows)
-        if self._preload_pending:
-            self._preload()
+        preload_rows, preload_slots = self._map_preload() if self._preload_pending else (rows[:0], rows[:0])
         slots = self.row_to_slot[rows]
         hit = slots >= 0
         n_miss = int(rows.numel()) - int(hit.sum())
@@ -265,6 +290,12 @@ class TieredTable:
         self.pins[slots] += 1
         self.ranking.touch(slots, rows)
         self._in_flight += 1
+        if preload_rows.numel():
+            # Rows resident from the start travel with the first batch's fills, in the same
+            # ticket, so even the preload follows the engine's one order.
+            fill_rows = torch.cat([preload_rows, fill_rows])
+            victims = torch.cat([preload_slots, victims])
+            n_miss = int(fill_rows.numel())
 
         plan = FetchPlan(self, rows, slots, fill_rows, victims, writeback_rows, writeback_slots)
         plan.num_rows, plan.num_fills, plan.num_writebacks = int(rows.numel()), n_miss, int(writeback_rows.numel())
@@ -306,25 +337,64 @@ class TieredTable:
         """Executes the plan's data moves synchronously (the CPU transports call this).
 
         Order matters: dirty victims are written back before the misses overwrite their slots.
+        ``plan.stage`` records progress so that a failure can be rolled back exactly.
         """
         if plan.num_writebacks:
             wb_slots = plan.writeback_slots.to(self.device)
             self.host_weight[plan.writeback_rows] = self.cache_weight[wb_slots].to(self.host_weight.device)
             for k, host in self.host_state.items():
                 host[plan.writeback_rows] = self.cache_state[k][wb_slots].to(host.device)
+        plan.stage = "written_back"
         if plan.num_fills:
             fill_slots = plan.fill_slots.to(self.device)
             self.cache_weight[fill_slots] = self.host_weight[plan.fill_rows].to(self.device)
             for k, host in self.host_state.items():
                 self.cache_state[k][fill_slots] = host[plan.fill_rows].to(self.device)
+        plan.stage = "done"
+
+    def rollback(self, plan: FetchPlan) -> None:
+        """Undoes the bookkeeping of a plan whose data moves did not all happen.
+
+        Called (on the planning thread, newest plan first) for a failed ticket and for the
+        tickets queued behind it, which never ran. Afterwards ``row_to_slot`` only points at
+        slots that really hold their row: rows whose fill did not complete are unmapped
+        (their host copy is current), and dirty victims whose write-back did not happen are
+        mapped back to their slot, which still holds them. Pins are left to ``release``.
+        """
+        if plan.stage == "done":
+            return
+        if plan.num_fills:
+            mapped = self.row_to_slot[plan.fill_rows] == plan.fill_slots
+            rows, slots = plan.fill_rows[mapped], plan.fill_slots[mapped]
+            self.row_to_slot[rows] = -1
+            self.slot_to_row[slots] = -1
+            self.dirty[slots] = False
+            self.permanent[slots] = False
+        if plan.stage == "planned" and plan.num_writebacks:
+            self.slot_to_row[plan.writeback_slots] = plan.writeback_rows
+            self.row_to_slot[plan.writeback_rows] = plan.writeback_slots
+            self.dirty[plan.writeback_slots] = True
+        plan.stage = "done"
+
+    def plan_flush(self) -> FetchPlan:
+        """A plan that writes every dirty slot back (no fills, no pins); the slots are clean
+        from now on, so the write-back must be executed (by the fetch engine, in order)."""
+        slots = torch.nonzero(self.dirty).flatten()
+        rows = self.slot_to_row[slots]
+        self.dirty[slots] = False
+        empty = rows[:0]
+        plan = FetchPlan(self, empty, empty, empty, empty, rows, slots, released=True)
+        self.stats.rows_written_back += plan.num_writebacks
+        return plan
 
     # ------------------------------------------------------------------ backward
     @torch.no_grad()
-    def apply_gradients(self, plan: FetchPlan, row_grads: torch.Tensor) -> None:
+    def apply_gradients(self, plan: FetchPlan, row_grads: torch.Tensor, checked: bool = False) -> None:
         """Applies the fused optimizer to the plan's rows and releases the plan.
 
         ``row_grads[i]`` is the gradient of ``plan.rows[i]`` summed over the batch.
-        Non-finite gradients are refused before anything is written.
+        Non-finite gradients are refused before anything is written (``checked``: the
+        caller already verified that they are finite).
         """
         if row_grads.shape != (plan.rows.numel(), self.dim):
             raise InvalidInputError(
@@ -332,7 +402,7 @@ class TieredTable:
                 f"({plan.rows.numel()}, {self.dim})"
             )
         # One reduction instead of an elementwise mask: NaN and Inf propagate through a sum.
-        if not bool(torch.isfinite(row_grads.sum())):
+        if not checked and not bool(torch.isfinite(row_grads.sum())):
             self.release(plan)
             raise InvalidInputError(
                 f"table '{self._shard.global_name}': non-finite gradient reached the store; "
@@ -350,12 +420,6 @@ class TieredTable:
         self.stats.updates += 1
         self.release(plan)
 
-    def abandon(self, plan: FetchPlan) -> None:
-        """Gives up a planned batch that will never be looked up: its data moves still run
-        (so ``row_to_slot`` stays truthful for later batches), then its pins are released."""
-        self.transfer(plan)
-        self.release(plan)
-
     def release(self, plan: FetchPlan) -> None:
         """Unpins the plan's slots (idempotent)."""
         if plan.released:
@@ -365,21 +429,11 @@ class TieredTable:
         self._in_flight -= 1
 
     # ------------------------------------------------------------------ host tier
-    @torch.no_grad()
-    def flush(self) -> None:
-        """Writes every dirty slot back: afterwards the host tier equals a resident table."""
-        slots = torch.nonzero(self.dirty).flatten()
-        if slots.numel() == 0:
-            return
-        rows = self.slot_to_row[slots]
-        dev_slots = slots.to(self.device)
-        self.host_weight[rows] = self.cache_weight[dev_slots].to(self.host_weight.device)
-        for k, host in self.host_state.items():
-            host[rows] = self.cache_state[k][dev_slots].to(host.device)
-        self.dirty[slots] = False
-
     def invalidate(self) -> None:
-        """Drops every cached row without writing back (after the host tier was overwritten)."""
+        """Drops every cached row without writing back (after the host tier was overwritten).
+
+        Dirty rows are lost by design here: flush them first (through the fetch engine) when
+        they matter, as ``purge`` in the TorchRec kernel does."""
         if self._in_flight:
             raise StoreStateError(
                 f"table '{self.name}': cannot invalidate the cache while {self._in_flight} "
@@ -391,24 +445,26 @@ class TieredTable:
         self.permanent.fill_(False)
         self._preload_pending = True
 
-    def _preload(self) -> None:
+    def _map_preload(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        """Maps the rows that are resident from the start and returns them with their slots;
+        the bytes move with the plan that called this."""
         self._preload_pending = False
+        empty = torch.empty(0, dtype=torch.int64)
         if self.num_slots >= self.num_rows and self.num_rows:
             # A cache as large as the table holds every row from the start (row i in slot
             # i), as a resident table would: no compulsory misses, no victim search.
             rows = torch.arange(self.num_rows, dtype=torch.int64)
             self.slot_to_row.copy_(rows)
             self.row_to_slot.copy_(rows)
-            self.transfer(FetchPlan(self, rows, rows, rows, rows, rows[:0], rows[:0], released=True))
-            return
+            return rows, rows.clone()
         if self._hot_rows is None or self._hot_rows.numel() == 0:
-            return
+            return empty, empty
         hot = self._hot_rows
         slots = torch.arange(hot.numel(), dtype=torch.int64)
         self.slot_to_row[slots] = hot
         self.row_to_slot[hot] = slots
         self.permanent[slots] = True
-        self.transfer(FetchPlan(self, hot, slots, hot, slots, slots[:0], slots[:0], released=True))
+        return hot, slots
 
     def resident_rows(self) -> torch.Tensor:
         """Rows currently mapped to a slot."""
