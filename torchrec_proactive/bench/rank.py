@@ -18,7 +18,7 @@ import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -122,6 +122,11 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         [total.get(k, 0.0) for k in ("rows_fetched", "bytes_moved", "rows_written_back", "hits", "rows_requested")]
     )
     median = statistics.median(step)
+    # Reporting hook (bench runner's noise estimate): the slowest-rank step times, per round.
+    per_round, i = [], 0
+    for m in runs:
+        per_round.append([1e3 * t for t in step[i:i + len(m.times)]])
+        i += len(m.times)
     return {
         "name": name,
         "steps_measured": n,
@@ -134,6 +139,7 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         "bytes_moved_per_step": nbytes / n,
         "rows_written_back_per_step": wb / n,
         "hit_rate": hits / req if req else (1.0 if total else None),
+        "step_ms_per_round": per_round,
         **extra,
     }
 
@@ -161,7 +167,13 @@ def _measure_comm(settings: BenchSettings, world_size: int, dense_param_bytes: i
     return {k: v for k, v in zip(res, _max_over_ranks(list(res.values())))}
 
 
-def bench_rank(rank: int, world_size: int, settings: BenchSettings) -> Dict[str, Any]:
+#: ``progress(stage, name, round_index)``: stage ``"start"`` / ``"end"`` of one measurement;
+#: ``round_index`` is None for the link calibration runs. Reporting only (the runner's bar).
+ProgressHook = Callable[[str, str, Optional[int]], None]
+
+
+def bench_rank(rank: int, world_size: int, settings: BenchSettings,
+               progress: Optional[ProgressHook] = None) -> Dict[str, Any]:
     """Runs every configuration on this rank; returns the (rank-agreed) results and traces."""
     w = settings.workload
     batches = w.batches(settings.warmup_steps + settings.measure_steps, rank)
@@ -171,7 +183,10 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings) -> Dict[str,
     results: Dict[str, Dict[str, Any]] = {}
     traces: Dict[str, List[Dict[str, Any]]] = {}
 
-    def measure(name: str, sharder: Any, kernel: str, depth: Optional[int]) -> Measurement:
+    def measure(name: str, sharder: Any, kernel: str, depth: Optional[int],
+                round_index: Optional[int] = None) -> Measurement:
+        if progress is not None:
+            progress("start", name, round_index)
         dmp, opt = _build(settings, sharder, kernel, init_state)
         if depth is None:
             pipe: Any = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
@@ -183,6 +198,8 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings) -> Dict[str,
             dmp.module.model.sparse_arch.embedding_bag_collection.check_invariants(expect_drained=True)
             if pipe.tracer.enabled:
                 traces[name] = list(pipe.tracer.events)
+        if progress is not None:
+            progress("end", name, round_index)
         return m
 
     def proactive(link: Optional[LinkModel], load_factor: Optional[float] = None) -> ProactiveEmbeddingBagCollectionSharder:
@@ -221,7 +238,7 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings) -> Dict[str,
                 continue
             factory, kernel, depth, _ = configs[name]
             try:
-                runs.setdefault(name, []).append(measure(name, factory(), kernel, depth))
+                runs.setdefault(name, []).append(measure(name, factory(), kernel, depth, r))
             except CacheCapacityError as e:
                 failed[name] = str(e)
         if r == 0 and settings.include_auto and "reactive" in runs:
@@ -234,7 +251,7 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings) -> Dict[str,
             k = min((d for d in settings.depths if d >= want and f"depth_{d}" not in failed), default=None)
             if k is not None:
                 configs["auto"] = (lambda: proactive(link), "fused_uvm_caching", k, {"chosen_depth": k})
-                runs["auto"] = [measure("auto", proactive(link), "fused_uvm_caching", k)]
+                runs["auto"] = [measure("auto", proactive(link), "fused_uvm_caching", k, 0)]
     for name, (_, _, depth, extra) in configs.items():
         if name in failed:
             results[name] = {"name": name, "prefetch_depth": depth, "error": failed[name]}

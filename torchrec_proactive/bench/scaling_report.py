@@ -58,7 +58,7 @@ def scaling_report(settings: BenchSettings, two_rank: Dict[str, Any], out_dir: P
     bandwidth = two_rank["report"]["link"]["bandwidth_gbps"]
     one_rank = run_bench(
         replace(settings, trace=False, include_auto=False, include_cache100=False, link_bandwidth_gbps=bandwidth),
-        world_size=1,
+        world_size=1, label="scaling: 1-rank run",
     )
     two = stage_times(two_rank, 2, settings)
     measured = {**two, **stage_times(one_rank, 1, settings)}

@@ -1,0 +1,229 @@
+"""`torchrec-proactive bench` as a user runs it: in a subprocess, through the CLI.
+
+Covers what a new user reported (issue #11): one-line usage errors (exit 2, no traceback),
+a complete ``--help``, progress on stderr with a clean stdout, no third-party warning spam,
+every written file named, figures that say when they are within noise, and a warning when a
+bandwidth sweep is non-monotonic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# The smallest workload that still misses the cache at every depth (2 tables, 64 ids/step).
+TINY = ["--tables", "2", "--rows", "4000", "--batch-size", "64", "--cache-load-factor", "0.2",
+        "--warmup", "2", "--steps", "6"]
+
+
+def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torchrec_proactive.cli", "bench", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV)
+
+
+# ------------------------------------------------------------------------------------------
+# usage errors
+
+
+@pytest.mark.parametrize("args, option, value, limit", [
+    (["--world-size", "0"], "--world-size", "0", ">= 1"),
+    (["--depths", "abc"], "--depths", "abc", "integers >= 1"),
+    (["--depths", "1,0"], "--depths", "0", "integers >= 1"),
+    (["--rounds", "0"], "--rounds", "0", ">= 1"),
+    (["--steps", "-3"], "--steps", "-3", ">= 1"),
+    (["--cache-load-factor", "1.5"], "--cache-load-factor", "1.5", "(0, 1]"),
+    (["--dim", "30"], "--dim", "30", "multiple of 4"),
+    (["--sweep-bandwidth", "0.1,fast"], "--sweep-bandwidth", "fast", "> 0"),
+    (["--link-bandwidth-gbps", "-1"], "--link-bandwidth-gbps", "-1", "> 0"),
+    (["--sharding", "diagonal"], "--sharding", "diagonal", "table_wise"),
+])
+def test_user_errors_are_one_line_and_exit_2(args, option, value, limit):
+    proc = bench(*args, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr
+    assert option in errors[0] and repr(value) in errors[0] and limit in errors[0], errors[0]
+
+
+def test_sharding_choices_match_the_planner():
+    from torchrec_proactive.bench.runner import SHARDINGS
+    from torchrec_proactive.planning import SHARDING_TYPES
+
+    assert SHARDINGS == (*SHARDING_TYPES, "auto")
+
+
+def _option_entries(help_text: str):
+    """{'--opt': its help text} from an argparse help page."""
+    entries, current = {}, None
+    for line in help_text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            current = re.match(r"\s*(-[-\w]+)", line).group(1)
+            entries[current] = line
+        elif line.startswith("    ") and current:
+            entries[current] += " " + line
+        else:  # a group title or a blank line ends an entry
+            current = None
+    return {k: " ".join(v.split()) for k, v in entries.items()}
+
+
+@pytest.mark.parametrize("cmd", [
+    [sys.executable, "-m", "torchrec_proactive.cli", "bench", "--help"],
+], ids=["bench"])
+def test_help_describes_every_option_and_its_default(cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    entries = _option_entries(proc.stdout)
+    assert len(entries) >= 4, proc.stdout
+    for opt, text in entries.items():
+        if opt in ("-h", "--help"):
+            continue
+        described = re.sub(r"^(-[-\w]+( [A-Z_]+)?,? ?)+", "", text)
+        assert len(described) > 12, f"{opt} has no description: {text!r}"
+        assert "default" in described.lower(), f"{opt} does not give its default: {text!r}"
+
+
+# ------------------------------------------------------------------------------------------
+# a real (tiny) run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_cli")
+    proc = bench(*TINY, "--depths", "1,2", "--rounds", "2", "--json", str(out / "r.json"),
+                 "--timeline", str(out / "tl"), "--scaling", str(out / "sc"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((out / "r.json").read_text()), out
+
+
+@pytest.mark.multiprocess
+def test_no_third_party_warning_spam(tiny_run):
+    proc, _, _ = tiny_run
+    both = proc.stdout + proc.stderr
+    assert "broadcast_buffers" not in both and "FutureWarning" not in both
+    assert "is_fx_tracing" not in both
+
+
+@pytest.mark.multiprocess
+def test_progress_on_stderr_and_a_clean_stdout(tiny_run):
+    proc, report, _ = tiny_run
+    # one bar per run (2 ranks, then the 1-rank scaling run), naming the configuration and round
+    assert re.search(r"round 2/2", proc.stderr), proc.stderr[-2000:]
+    assert "scaling" in proc.stderr and "%|" in proc.stderr
+    assert "%|" not in proc.stdout and "round 2/2" not in proc.stdout
+    for c in report["configs"]:
+        assert c["name"] in proc.stderr  # the bar says which configuration runs
+
+
+@pytest.mark.multiprocess
+def test_every_written_file_is_named(tiny_run):
+    proc, report, out = tiny_run
+    written = [out / "r.json", out / "tl" / "timeline.png", out / "tl" / "timeline.trace.json",
+               out / "sc" / "projection.png", out / "sc" / "projection.json"]
+    for path in written:
+        assert path.exists(), path
+        assert f"wrote {path}" in proc.stderr, (path, proc.stderr[-2000:])
+    assert "wrote" not in proc.stdout  # stdout is the summary only
+
+
+@pytest.mark.multiprocess
+def test_rounds_spread_and_noise_verdicts(tiny_run):
+    proc, report, _ = tiny_run
+    for c in report["configs"]:
+        if "error" in c:
+            continue
+        lo, hi = c["samples_per_s_interval"]
+        assert lo <= c["samples_per_s"] <= hi
+        assert len(c["samples_per_s_rounds"]) == c["rounds"] == 2  # auto joins from round 1's end on
+        assert all(lo <= r <= hi for r in c["samples_per_s_rounds"])
+        assert c["noise_pct"] == pytest.approx(100 * (hi - lo) / 2 / c["samples_per_s"])
+    by_name = {c["name"]: c for c in report["configs"]}
+    best = by_name[f"depth_{report['best_depth']}"]
+
+    def overlap(a, b):
+        return a["samples_per_s_interval"][0] <= b["samples_per_s_interval"][1] and \
+            b["samples_per_s_interval"][0] <= a["samples_per_s_interval"][1]
+
+    noise = report["noise"]
+    assert noise["speedup_vs_reactive"]["within_noise"] == overlap(best, by_name["reactive"])
+    frac = noise["fraction_of_resident"]
+    assert frac["within_noise"] == overlap(best, by_name["resident"])
+    assert frac["upper_bound_violation"] == (report["fraction_of_resident"] > 1 and not frac["within_noise"])
+    # The summary says what the JSON says, next to the ratio it qualifies.
+    lines = proc.stdout.splitlines()
+    speed = next(line for line in lines if "/ reactive =" in line)
+    resident = next(line for line in lines if "/ all-resident =" in line)
+    assert ("within noise" in speed) == noise["speedup_vs_reactive"]["within_noise"], speed
+    assert ("within noise" in resident) == frac["within_noise"], resident
+    if report["fraction_of_resident"] > 1:
+        assert "upper bound" in resident and "win" not in resident.replace("not a win", ""), resident
+    assert "±" in proc.stdout  # the per-configuration spread is in the table
+
+
+def test_noise_verdicts_flag_an_upper_bound_violation_and_overlaps():
+    from torchrec_proactive.bench.runner import noise_verdicts
+
+    def cfg(name, rate, lo, hi, depth=None):
+        return {"name": name, "samples_per_s": rate, "samples_per_s_interval": [lo, hi], "prefetch_depth": depth}
+
+    # proactive above resident, intervals overlapping: within noise, at the upper bound
+    v = noise_verdicts(cfg("reactive", 50, 48, 52), cfg("resident", 100, 95, 105), cfg("depth_2", 102, 97, 108, 2),
+                       [cfg("depth_1", 99, 96, 101, 1), cfg("depth_2", 102, 97, 108, 2)])
+    assert v["fraction_of_resident"]["within_noise"] and not v["fraction_of_resident"]["upper_bound_violation"]
+    assert "upper bound" in v["fraction_of_resident"]["verdict"]
+    assert not v["speedup_vs_reactive"]["within_noise"]
+    assert v["depths_within_noise_of_best"] == [1]
+    # proactive above resident beyond noise: a violation, not a win
+    v = noise_verdicts(cfg("reactive", 50, 48, 52), cfg("resident", 100, 99, 101), cfg("depth_2", 151, 140, 160, 2),
+                       [cfg("depth_2", 151, 140, 160, 2)])
+    assert v["fraction_of_resident"]["upper_bound_violation"]
+    assert "violation" in v["fraction_of_resident"]["verdict"].lower()
+    assert v["fraction_of_resident"]["interval"] == pytest.approx([140 / 101, 160 / 99])
+
+
+# ------------------------------------------------------------------------------------------
+# bandwidth sweep
+
+
+def _row(bw, reactive, r_int, proactive, p_int):
+    return {"link": {"bandwidth_gbps": bw}, "reactive_samples_per_s": reactive, "reactive_samples_per_s_interval": r_int,
+            "proactive_samples_per_s": proactive, "proactive_samples_per_s_interval": p_int}
+
+
+def test_sweep_warnings_only_beyond_noise():
+    from torchrec_proactive.bench.runner import sweep_warnings
+
+    up = [_row(0.1, 100, [95, 105], 150, [140, 160]), _row(0.2, 200, [190, 210], 250, [240, 260])]
+    assert sweep_warnings(up) == []
+    # more bandwidth, slower reactive, and the intervals do not overlap: warned
+    down = [_row(0.1, 200, [195, 205], 150, [140, 160]), _row(0.2, 100, [95, 105], 250, [240, 260])]
+    (w,) = sweep_warnings(down)
+    assert "non-monotonic" in w and "reactive" in w and "0.1" in w and "0.2" in w
+    # the same dip within noise: not warned; order of the rows does not matter
+    noisy = [_row(0.2, 98, [90, 110], 250, [240, 260]), _row(0.1, 100, [95, 105], 150, [140, 160])]
+    assert sweep_warnings(noisy) == []
+
+
+@pytest.mark.multiprocess
+def test_sweep_through_the_cli(tmp_path):
+    from torchrec_proactive.bench.runner import sweep_warnings
+
+    out = tmp_path / "sweep.json"
+    proc = bench(*TINY, "--depths", "2", "--rounds", "1", "--sweep-bandwidth", "100,0.0003", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["sweep"]
+    assert [r["link"]["bandwidth_gbps"] for r in rows] == [0.0003, 100.0]  # ascending bandwidth
+    assert f"wrote {out}" in proc.stderr and "%|" in proc.stderr
+    # 0.0003 GB/s stalls every step for tens of ms; 100 GB/s does not: clearly monotonic
+    assert "non-monotonic" not in proc.stdout + proc.stderr
+    assert "monotonic in bandwidth" in proc.stdout
+    assert sweep_warnings(rows) == []
+    assert len([line for line in proc.stdout.splitlines() if "GB/s:" in line]) == 2
