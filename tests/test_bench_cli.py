@@ -77,7 +77,9 @@ def _option_entries(help_text: str):
 
 @pytest.mark.parametrize("cmd", [
     [sys.executable, "-m", "torchrec_proactive.cli", "bench", "--help"],
-], ids=["bench"])
+    [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--help"],
+    [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--help"],
+], ids=["bench", "soak", "gpu_check"])
 def test_help_describes_every_option_and_its_default(cmd):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]

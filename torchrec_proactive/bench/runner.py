@@ -348,7 +348,7 @@ def _write_timeline(raw: List[Dict[str, Any]], report: Dict[str, Any], out_dir: 
 # command line
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults in every option's help; an option whose help already explains its default
     (``None`` meaning "computed") is left as written."""
 
@@ -411,7 +411,7 @@ def comma_list(item: Callable[[str], Any], kind: str) -> Callable[[str], List[An
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchrec-proactive bench", description=__doc__, formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(prog="torchrec-proactive bench", description=__doc__, formatter_class=HelpFormatter)
     out = p.add_argument_group("outputs")
     out.add_argument("--quick", action="store_true",
                      help="small model, few steps: at most 4 tables x 20k rows, batch 256, 4 + 10 steps, depths "
