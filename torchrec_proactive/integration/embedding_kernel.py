@@ -1,20 +1,25 @@
 """The embedding kernel TorchRec's grouped lookup calls for proactive tables.
 
 It stands where TorchRec would put a ``BatchedFusedEmbeddingBag`` (one per group of tables
-with the same kernel) and keeps that kernel's contract: ``forward(KJT) -> [B, sum(dims)]``
-in feature order, ``state_dict``/``named_parameters`` over the full local shards, a
-``fused_optimizer``. Underneath, each table shard is a :class:`TieredTable` whose host tier
-*is* the stock kernel's host weight storage (taken over, not copied), so TorchRec's
-``ShardedTensor`` views keep pointing at the right bytes after a flush.
+with the same kernel, dim and fused params) and keeps that kernel's contract:
+``forward(KJT) -> [B, sum(dims)]`` in feature order, ``state_dict``/``named_parameters`` over
+the full local shards, a ``fused_optimizer``. Underneath, the whole group is one
+:class:`TieredTable` over a linearized row space (each table's rows at an offset, as FBGEMM
+numbers a TBE's rows), so a batch costs one plan, one fetch ticket, one pooled lookup and
+one fused update, whatever the number of tables. On CPU its host tier *is* the stock
+kernel's host weight storage (taken over, not copied), so TorchRec's ``ShardedTensor`` views
+keep pointing at the right bytes after a flush.
 
-A batch is made resident by ``plan_batch`` + the fetch engine, and ``bind`` hands the
-planned batch to the next ``forward``. A forward that nothing was bound for (a plain
+Data path of one batch: ``plan_batch`` (ids -> store rows, plan, pin) -> the fetch engine
+moves the rows -> ``bind`` -> ``forward`` (one ``embedding_bag`` over the cache) -> backward
+(one fused update, all or nothing). A forward that nothing was bound for (a plain
 ``model(batch)``, an eval loop, depth 0) plans and fetches at lookup time, as stock TorchRec
-does. Every data move, including flushes, goes through the module's one fetch engine.
+does. Every data move, flushes included, goes through the module's one fetch engine.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -34,10 +39,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..fetch import FetchEngine
 from ..store import (
     EvictionPolicy,
+    IdOutOfRangeError,
     InvalidInputError,
     NotPrefetchedError,
     OptimizerConfig,
     OptimType,
+    Segment,
     TableBatch,
     TieredTable,
     plan_table_batch,
@@ -48,18 +55,21 @@ from .options import ProactiveOptions
 
 @dataclass
 class PlannedGroup:
-    """A batch planned on one kernel: one :class:`TableBatch` per table, in config order."""
+    """A batch planned on one kernel: the group's one :class:`TableBatch`."""
 
     kernel: "ProactiveEmbeddingBag"
-    table_batches: List[TableBatch]
+    batch: TableBatch
     stride: int
     num_values: int
     weights: Optional[torch.Tensor]
-    value_ranges: List[Tuple[int, int]]  # each table's slice of the group's values
+
+    @property
+    def table_batches(self) -> List[TableBatch]:
+        return [self.batch]
 
     @property
     def plans(self) -> list:
-        return [tb.plan for tb in self.table_batches]
+        return [self.batch.plan]
 
 
 # FBGEMM's names for each optimizer's state, in the order TorchRec lists them (TorchRec's
@@ -107,7 +117,7 @@ class ProactiveFusedOptimizer(EmbeddingFusedOptimizer):
 
 
 class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
-    """Serves one group of pooled tables from tiered stores. Built by :meth:`from_stock`."""
+    """Serves one TorchRec group of pooled tables from one tiered store. Built by :meth:`from_stock`."""
 
     def __init__(
         self,
@@ -126,43 +136,37 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if pooling_mode is not None:
             self._pooling = pooling_mode
         self._device = device or torch.device("cpu")
-        self._options = options
-        self._host_buffer = host_buffer
         self._engine = engine
         self.optimizer_config = OptimizerConfig.from_fused_params(user_fused_params)
         # TorchRec's choice for this sharding type: row-wise shardings pool mean as a sum
         # here and divide after the output all-to-all, when all of a bag's rows are summed.
         self._mode = "mean" if self._pooling == PoolingMode.MEAN else "sum"
-        self.tables: List[TieredTable] = []
-        self._table_features: List[Tuple[int, int]] = []  # feature range of each table
-        first = 0
-        for t, (table_cfg, host) in enumerate(zip(config.embedding_tables, host_weights)):
-            tfused = dict(table_cfg.fused_params or {})
-            load_factor = float(tfused.get("cache_load_factor", options.cache_load_factor))
-            num_slots = options.num_slots_for(table_cfg.name, table_cfg.local_rows, load_factor)
-            policy = EvictionPolicy.parse(tfused.get("cache_algorithm", options.eviction_policy))
-            row_offset = table_cfg.local_metadata.shard_offsets[0] if table_cfg.local_metadata else 0
-            self.tables.append(
-                TieredTable(
-                    name=table_cfg.name,
-                    host_weight=host,
-                    optimizer=self.optimizer_config,
-                    num_slots=num_slots,
-                    device=self._device,
-                    policy=policy,
-                    hot_rows=options.hot_rows_for(table_cfg.name, row_offset, table_cfg.local_rows),
-                    row_offset=row_offset,
-                    global_rows=table_cfg.num_embeddings,
-                )
-            )
-            n = table_cfg.num_features()
-            self._table_features.append((first, first + n))
-            first += n
+        tables = config.embedding_tables
+        self._host_buffer, self._host_views = host_buffer, list(host_weights)
+        self.store = TieredTable(
+            name="+".join(t.name for t in tables),
+            host_weight=_group_host_tier(config, host_buffer, self._host_views),
+            optimizer=self.optimizer_config,
+            num_slots=sum(_num_slots(t, options) for t in tables),
+            device=self._device,
+            policy=EvictionPolicy.parse((tables[0].fused_params or {}).get("cache_algorithm", options.eviction_policy)),
+            hot_rows=_group_hot_rows(tables, options),
+            segments=_segments(tables),
+        )
+        # Per feature (in the group's KJT order): where its table's rows start in the store,
+        # and how many rows the table's shard has (the id limit).
+        starts, rows = [], []
+        for seg, t in zip(self.store.segments, tables):
+            starts += [seg.start] * t.num_features()
+            rows += [t.local_rows] * t.num_features()
+        self._feature_start = torch.tensor(starts, dtype=torch.int64)
+        self._feature_rows = torch.tensor(rows, dtype=torch.int64)
         self._feature_names = config.feature_names()
-        self._dims = [t.dim for t in self.tables]
+        self._feature_tables = [t.name for t in tables for _ in range(t.num_features())]
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
+        self._warned_overflow = False
         self.prefetch_depth = 0
         self._optim = ProactiveFusedOptimizer(self, pg)
 
@@ -194,12 +198,15 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         return self
 
     def split_embedding_weights(self) -> List[torch.Tensor]:  # type: ignore[override]
-        return [t.host_weight for t in self.tables]
+        return list(self._host_views)
 
     def get_optimizer_state(self) -> List[Dict[str, torch.Tensor]]:
         """Per table, the host-tier optimizer state under FBGEMM's names (``sum``, ``exp_avg`` ...)."""
         names = _FBGEMM_STATE_NAMES[self.optimizer_config.optim]
-        return [{fbgemm: t.host_state[ours] for fbgemm, ours in names} for t in self.tables]
+        return [
+            {fbgemm: self.store.host_state[ours][seg.start: seg.start + seg.num_rows] for fbgemm, ours in names}
+            for seg in self.store.segments
+        ]
 
     def get_learning_rate(self) -> float:
         return self.optimizer_config.learning_rate
@@ -217,16 +224,14 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if all(getattr(self.optimizer_config, k) == v for k, v in changes.items()):
             return
         self.optimizer_config = replace(self.optimizer_config, **changes)
-        for t in self.tables:
-            t.optimizer = self.optimizer_config
+        self.store.optimizer = self.optimizer_config
 
     def set_optimizer_step(self, step: int) -> None:
-        """Sets the optimizer step of every table (Adam's bias correction), as FBGEMM does."""
-        for t in self.tables:
-            t.step = int(step)
+        """Sets the optimizer step (Adam's bias correction), as FBGEMM does."""
+        self.store.step = int(step)
 
     def table_names(self) -> List[str]:
-        return [t.name for t in self.tables]
+        return [seg.name for seg in self.store.segments]
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
@@ -238,11 +243,11 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # table on this rank are adjacent in the buffer and share one slice (as in TorchRec).
         spans: Dict[str, Tuple[int, int, int]] = {}
         base = self._host_buffer.storage_offset()
-        for cfg, table in zip(self._config.embedding_tables, self.tables):
-            start = table.host_weight.storage_offset() - base
-            end = start + table.host_weight.numel()
-            lo, hi, _ = spans.get(cfg.name, (start, end, table.dim))
-            spans[cfg.name] = (min(lo, start), max(hi, end), table.dim)
+        for cfg, view in zip(self._config.embedding_tables, self._host_views):
+            start = view.storage_offset() - base
+            end = start + view.numel()
+            lo, hi, _ = spans.get(cfg.name, (start, end, view.shape[1]))
+            spans[cfg.name] = (min(lo, start), max(hi, end), view.shape[1])
         out: Dict[str, TableBatchedEmbeddingSlice] = {}
         for name, (start, end, dim) in spans.items():
             sl = TableBatchedEmbeddingSlice(
@@ -269,15 +274,12 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             yield name, param
 
     def named_tables(self) -> Iterator[Tuple[str, TieredTable]]:
-        seen: Dict[str, int] = {}
-        for cfg, table in zip(self._config.embedding_tables, self.tables):
-            n = seen.get(cfg.name, 0)
-            seen[cfg.name] = n + 1
-            yield (cfg.name if n == 0 else f"{cfg.name}@{n}"), table
+        """The group's store, named after its tables."""
+        yield self.store.name, self.store
 
     def flush(self) -> None:
         """Writes dirty cached rows back to the host tier, behind every queued fetch."""
-        self._engine.flush(self.tables)
+        self._engine.flush([self.store])
 
     def purge(self) -> None:
         """TorchRec calls this before a load: no trained row may be dropped, so flush first."""
@@ -287,47 +289,52 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def invalidate(self) -> None:
         """Drops the cached rows (after the host tier was loaded); needs no batch in flight."""
         self._engine.drain()
-        for t in self.tables:
-            t.invalidate()
+        self.store.invalidate()
 
     # ------------------------------------------------------------------ data path
-    def plan_batch(self, features: KeyedJaggedTensor) -> PlannedGroup:
-        """Plans (and pins) every table's rows for ``features``; issues nothing."""
+    def plan_batch(self, features: KeyedJaggedTensor, overflow: bool = False) -> PlannedGroup:
+        """Maps the group's ids to store rows, plans (and pins) them; issues nothing.
+
+        Raises ``CacheCapacityError`` changing nothing when the rows do not fit beside the
+        in-flight batches' pins, unless ``overflow`` (see ``TieredTable.plan``).
+        """
         if features.variable_stride_per_key():
-            raise InvalidInputError(
-                f"tables {[t.name for t in self.tables]}: variable batch size per feature is not supported"
-            )
+            raise InvalidInputError(f"tables {self.table_names()}: variable batch size per feature is not supported")
         stride = features.stride()
-        offsets = features.offsets()
         values = features.values()
         weights = features.weights_or_none()
-        batches: List[TableBatch] = []
-        ranges: List[Tuple[int, int]] = []
-        try:
-            for table, (f0, f1) in zip(self.tables, self._table_features):
-                lo, hi = int(offsets[f0 * stride]), int(offsets[f1 * stride])
-                ranges.append((lo, hi))
-                tab_offsets = offsets[f0 * stride: f1 * stride + 1] - lo
-                batches.append(
-                    plan_table_batch(table, values[lo:hi], tab_offsets, self._mode, self.prefetch_depth or None)
-                )
-        except Exception:
-            # Nothing planned so far may stay pinned or half-mapped: the planned tables'
-            # moves still run, in their turn on the engine (keeps row_to_slot truthful and
-            # queued write-backs ahead of them), then their pins are released.
-            self.abandon(batches)
-            raise
-        return PlannedGroup(self, batches, stride, int(values.numel()), weights, ranges)
+        per_feature = features.offsets()[:: max(stride, 1)].diff() if stride else torch.zeros(0, dtype=torch.int64)
+        if per_feature.numel() != self._feature_start.numel():
+            per_feature = torch.tensor(features.length_per_key(), dtype=torch.int64)
+        ids = values.to(torch.int64).cpu()
+        limit = self._feature_rows.repeat_interleave(per_feature.cpu(), output_size=ids.numel())
+        bad = (ids < 0) | (ids >= limit)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            f = int(torch.searchsorted(per_feature.cumsum(0), torch.tensor(i), right=True))
+            raise IdOutOfRangeError(
+                f"feature '{self._feature_names[f]}' (table '{self._feature_tables[f]}'): id {int(ids[i])} "
+                f"is out of range [0, {int(self._feature_rows[f])}) of this rank's shard"
+            )
+        rows = ids + self._feature_start.repeat_interleave(per_feature.cpu(), output_size=ids.numel())
+        batch = plan_table_batch(self.store, rows, features.offsets(), self._mode,
+                                 self.prefetch_depth or None, overflow=overflow)
+        if batch.plan.num_overflow and not self._warned_overflow:
+            self._warned_overflow = True
+            warnings.warn(
+                f"tables {self.table_names()}: one batch needs {batch.plan.num_rows} distinct rows but the device "
+                f"cache has {self.store.num_slots} slots; {batch.plan.num_overflow} rows were served from the host "
+                f"tier (exact, but on the critical path). A cache of at least {batch.plan.num_rows} slots (raise "
+                f"CacheParams.load_factor) avoids it.",
+                stacklevel=2,
+            )
+        return PlannedGroup(self, batch, stride, int(values.numel()), weights)
 
-    def abandon(self, batches: List[TableBatch]) -> None:
-        """Gives up planned batches whose fetch was never issued and that will never be
-        looked up: their moves still run, in their turn, then they are unpinned."""
-        try:
-            if batches:
-                self._engine.run([tb.plan for tb in batches], tag="abandon")
-        finally:
-            for tb in batches:
-                tb.table.release(tb.plan)
+    def unplan(self, planned: PlannedGroup) -> None:
+        """Undoes a plan whose fetch was never issued (nothing moved yet): bookkeeping back,
+        pins released. Used when a batch cannot be planned on every kernel at once."""
+        self.store.rollback(planned.batch.plan)
+        self.store.release(planned.batch.plan)
 
     def bind(self, planned: PlannedGroup) -> None:
         """Hands a planned (and transferred) batch to the next ``forward``."""
@@ -340,9 +347,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         planned, self._bound = self._bound, None
         if planned is None:
-            # Nothing prefetched this batch (plain forward, eval loop, depth 0): fetch now,
-            # on the critical path, in its turn behind any queued ticket.
-            planned = self.plan_batch(features)
+            # Nothing prefetched this batch (plain forward, eval loop): fetch now, on the
+            # critical path, in its turn behind any queued ticket. No later batch is planned
+            # on this path, so rows that do not fit may be served from the host tier.
+            planned = self.plan_batch(features, overflow=True)
             try:
                 self._engine.run(planned.plans, tag="lookup")
             except BaseException:
@@ -355,25 +363,63 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"{planned.num_values} ids) is not the batch being looked up (stride {features.stride()}, "
                 f"{features.values().numel()} ids)"
             )
-        weights = planned.weights
-        psw = [None if weights is None else weights[lo:hi] for lo, hi in planned.value_ranges]
         # Only a training forward may update the rows: in eval mode the lookup is read-only
         # and releases its pins at once, with or without torch.no_grad().
-        pooled = pooled_lookup_group(planned.table_batches, self._anchor, psw, train=self.training)
+        pooled = pooled_lookup_group([planned.batch], self._anchor, [planned.weights], train=self.training)[0]
         stride = planned.stride
-        outputs = []
-        for out, (f0, f1) in zip(pooled, self._table_features):
-            # TorchRec's layout is [B, sum(dims)] with features side by side.
-            outputs.append(out.view(f1 - f0, stride, -1).transpose(0, 1).reshape(stride, -1))
-        if len(outputs) == 1:
-            return outputs[0]
-        return torch.cat(outputs, dim=1)
+        # [features * B, dim] -> TorchRec's [B, sum(dims)], features side by side.
+        return pooled.view(-1, stride, pooled.shape[1]).transpose(0, 1).reshape(stride, -1)
 
     @staticmethod
     def _release(planned: PlannedGroup) -> None:
-        for tb in planned.table_batches:
-            tb.table.release(tb.plan)
+        planned.batch.table.release(planned.batch.plan)
 
     def check_invariants(self, expect_drained: bool = False) -> None:
-        for t in self.tables:
-            t.check_invariants(expect_drained)
+        self.store.check_invariants(expect_drained)
+
+
+def _num_slots(table: Any, options: ProactiveOptions) -> int:
+    fused = table.fused_params or {}
+    load_factor = float(fused.get("cache_load_factor", options.cache_load_factor))
+    return min(options.num_slots_for(table.name, table.local_rows, load_factor), table.local_rows)
+
+
+def _segments(tables: List[Any]) -> List[Segment]:
+    out, start = [], 0
+    for t in tables:
+        offset = t.local_metadata.shard_offsets[0] if t.local_metadata else 0
+        out.append(Segment(t.name, start, t.local_rows, offset, t.num_embeddings))
+        start += t.local_rows
+    return out
+
+
+def _group_hot_rows(tables: List[Any], options: ProactiveOptions) -> Optional[torch.Tensor]:
+    hot, start = [], 0
+    for t in tables:
+        offset = t.local_metadata.shard_offsets[0] if t.local_metadata else 0
+        rows = options.hot_rows_for(t.name, offset, t.local_rows)
+        if rows is not None:
+            hot.append(rows + start)
+        start += t.local_rows
+    return torch.cat(hot) if hot else None
+
+
+def _group_host_tier(config: GroupedEmbeddingConfig, buffer: torch.Tensor, views: List[torch.Tensor]) -> torch.Tensor:
+    """The group's tables as one ``[sum(rows), dim]`` host tier over ``buffer`` (no copy).
+
+    TorchRec groups prefetch-cached tables by dim, and FBGEMM lays a group's host tables out
+    back to back in table order; both are checked, since the store relies on them."""
+    dims = {int(v.shape[1]) for v in views}
+    if len(dims) != 1:
+        raise NotImplementedError(
+            f"tables {config.table_names()}: one proactive group needs one embedding dim, got {sorted(dims)}"
+        )
+    dim = dims.pop()
+    start = views[0].storage_offset() - buffer.storage_offset()
+    expected = views[0].storage_offset()
+    for v in views:
+        if v.storage_offset() != expected or not v.is_contiguous():
+            raise NotImplementedError(f"tables {config.table_names()}: host tables are not laid out back to back")
+        expected += v.numel()
+    total = sum(int(v.shape[0]) for v in views)
+    return buffer[start: start + total * dim].view(total, dim)

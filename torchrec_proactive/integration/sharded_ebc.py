@@ -38,7 +38,7 @@ from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine, Ticket, make_transport
-from ..store import NotPrefetchedError
+from ..store import CacheCapacityError, NotPrefetchedError, StoreStateError
 from .embedding_kernel import PlannedGroup, ProactiveEmbeddingBag
 from .validation import InputValidator
 from .options import ProactiveOptions
@@ -125,6 +125,8 @@ class ProactiveStats:
     rows_fetched: int = 0
     rows_written_back: int = 0
     bytes_moved: int = 0
+    deferred_batches: int = 0  # prefetches that waited for pins (effective depth dropped)
+    overflow_rows: int = 0  # rows served from the host tier because one batch outgrew the cache
     keep_records: bool = False
     records: Deque[BatchRecord] = field(default_factory=lambda: deque(maxlen=100_000))
 
@@ -136,6 +138,7 @@ class ProactiveStats:
             "batches": self.batches, "stall_s": self.stall_s, "rows_requested": self.rows_requested,
             "hits": self.hits, "hit_rate": self.hit_rate(), "rows_fetched": self.rows_fetched,
             "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
+            "deferred_batches": self.deferred_batches, "overflow_rows": self.overflow_rows,
         }
 
 
@@ -159,6 +162,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.prefetch_depth = 0
         self.proactive_stats = ProactiveStats()
         self._consumed: List[BatchFetch] = []
+        # Batches prefetched but not planned yet (their rows did not fit), in arrival order.
+        self._waiting: Deque[Tuple[Any, KJTList]] = deque()
         self._validator = InputValidator(self._embedding_bag_configs)
         # Set by the pipeline for the batch it is running; a forward of such a batch whose
         # fetch is missing is a pipeline bug, not a plain forward.
@@ -257,22 +262,25 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         forward_stream: Optional[torch.Stream] = None,
         ctx: Optional[EmbeddingBagCollectionContext] = None,
     ) -> None:
-        """Plans the batch on every proactive table and issues its fetch (non-blocking)."""
+        """Plans the batch on every proactive kernel and issues its fetch (non-blocking).
+
+        Batches are planned strictly in arrival order. One whose rows do not fit beside the
+        pins of the batches in flight waits, and the batches behind it with it (their
+        effective depth drops; counted in ``deferred_batches``); they are planned as soon as
+        backward passes release enough pins, at the latest at their own forward.
+        """
         if ctx is None:
             raise ValueError("ProactiveShardedEmbeddingBagCollection.prefetch needs the batch context")
-        ctx.fetch = self._issue(dist_input, getattr(ctx, "batch_index", None))  # type: ignore[attr-defined]
+        ctx.fetch = None  # type: ignore[attr-defined]
+        if not self._proactive_kernels:
+            return
+        self._waiting.append((ctx, dist_input))
+        self._plan_waiting()
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
+        if self._proactive_kernels and getattr(ctx, "fetch", None) is None:
+            ctx.fetch = self._fetch_at_lookup(ctx, input)  # type: ignore[attr-defined]
         fetch: Optional[BatchFetch] = getattr(ctx, "fetch", None)
-        if fetch is None and self._proactive_kernels:
-            if getattr(ctx, "prefetch_expected", False):
-                raise NotPrefetchedError(
-                    f"{self._module_fqn or 'embedding module'}: batch {getattr(ctx, 'batch_index', None)} "
-                    f"was promised a prefetch by the pipeline (prefetch_depth={self.prefetch_depth}) "
-                    f"but none was issued"
-                )
-            # A plain forward (eval loop, after pipeline.detach(), depth 0): fetch now.
-            fetch = self._issue(input, getattr(ctx, "batch_index", None))
         if fetch is not None:
             ctx.fetch = None  # type: ignore[attr-defined]
             self._consumed = [f for f in self._consumed if not f.released] + [fetch]
@@ -291,9 +299,47 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return out
 
     # ------------------------------------------------------------------ internals
-    def _issue(self, dist_input: KJTList, index: Optional[int]) -> Optional[BatchFetch]:
-        if not self._proactive_kernels:
-            return None
+    def _plan_waiting(self) -> None:
+        while self._waiting:
+            ctx, dist_input = self._waiting[0]
+            fetch = self._issue(dist_input, getattr(ctx, "batch_index", None), overflow=False)
+            if fetch is None:  # does not fit yet: wait for pins to be released
+                if not getattr(ctx, "deferred", False):
+                    ctx.deferred = True  # type: ignore[attr-defined]
+                    self.proactive_stats.deferred_batches += 1
+                return
+            self._waiting.popleft()
+            ctx.fetch = fetch  # type: ignore[attr-defined]
+
+    def _fetch_at_lookup(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> Optional[BatchFetch]:
+        """The fetch of a batch that reaches its lookup without one."""
+        self._plan_waiting()  # backward passes since the last try may have released pins
+        if getattr(ctx, "fetch", None) is not None:
+            return ctx.fetch  # type: ignore[attr-defined]
+        index = getattr(ctx, "batch_index", None)
+        if self._waiting and self._waiting[0][0] is ctx:
+            # Still does not fit: every earlier batch is done and no later one is planned
+            # (arrival order), so the rows that do not fit can be served from the host tier.
+            self._waiting.popleft()
+            return self._issue(input, index, overflow=True)
+        if any(c is ctx for c, _ in self._waiting):
+            raise StoreStateError(
+                f"{self._module_fqn or 'embedding module'}: batch {index} reached its lookup before "
+                f"{len(self._waiting)} earlier prefetched batch(es); batches must be looked up in prefetch order"
+            )
+        if getattr(ctx, "prefetch_expected", False):
+            raise NotPrefetchedError(
+                f"{self._module_fqn or 'embedding module'}: batch {index} was promised a prefetch by the "
+                f"pipeline (prefetch_depth={self.prefetch_depth}) but none was issued"
+            )
+        # A plain forward (eval loop, after pipeline.detach(), no pipeline): fetch now.
+        return self._issue(input, index, overflow=True)
+
+    def _issue(self, dist_input: KJTList, index: Optional[int], overflow: bool) -> Optional[BatchFetch]:
+        """Plans the batch on every proactive kernel and issues one ticket for all of them.
+
+        Without ``overflow``, returns ``None`` (changing nothing) when some kernel's cache
+        cannot hold the batch beside the pins in flight."""
         groups: List[PlannedGroup] = []
         try:
             for (splits, kernels), features in zip(self._group_layout, dist_input):
@@ -301,19 +347,20 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     continue
                 for kernel, group_features in zip(kernels, features.split(splits)):
                     if kernel is not None:
-                        groups.append(kernel.plan_batch(group_features))
-        except Exception:
-            # The groups planned so far still move their rows, in turn, then are unpinned.
-            for group in groups:
-                group.kernel.abandon(group.table_batches)
+                        groups.append(kernel.plan_batch(group_features, overflow=overflow))
+        except BaseException as e:
+            # Nothing was issued, so nothing moved: undo the plans made so far exactly.
+            for group in reversed(groups):
+                group.kernel.unplan(group)
+            if isinstance(e, CacheCapacityError) and not overflow:
+                return None
             raise
         plans = [p for g in groups for p in g.plans]
         try:
             ticket = self._fetch_engine.issue(plans, tag=index)
         except BaseException:
             for group in groups:
-                for tb in group.table_batches:
-                    tb.table.release(tb.plan)
+                group.kernel._release(group)
             raise
         return BatchFetch(ticket, groups, index)
 
@@ -330,8 +377,9 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for tb in group.table_batches:
                 plan = tb.plan
                 requested += plan.num_rows
-                hits += plan.num_rows - plan.num_fills
+                hits += plan.num_rows - plan.num_fills - plan.num_overflow
                 written_back += plan.num_writebacks
+                st.overflow_rows += plan.num_overflow
         st.batches += 1
         st.stall_s += stall
         st.rows_requested += requested
@@ -358,6 +406,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         tb.table.release(tb.plan)
                         released += 1
         self._consumed = []
+        self._waiting.clear()  # never planned: nothing to release
         for kernel in self._proactive_kernels:
             kernel.unbind()
         return released

@@ -59,8 +59,10 @@ def plan_table_batch(
     offsets: torch.Tensor,
     mode: str = "sum",
     depth_hint: Optional[int] = None,
+    overflow: bool = False,
 ) -> TableBatch:
-    """Validates a bag batch, plans its rows on ``table`` and returns the lookup recipe."""
+    """Validates a bag batch, plans its rows on ``table`` and returns the lookup recipe
+    (``overflow``: see ``TieredTable.plan``)."""
     if values.dim() != 1 or offsets.dim() != 1 or offsets.numel() < 1:
         raise InvalidInputError(
             f"table '{table.name}': values and offsets must be 1-D (got {tuple(values.shape)} and "
@@ -81,14 +83,17 @@ def plan_table_batch(
     if mode not in ("sum", "mean"):
         raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
     rows, inverse = unique_rows(values)
-    plan = table.plan(rows, depth_hint=depth_hint)
+    plan = table.plan(rows, depth_hint=depth_hint, overflow=overflow)
     device = table.device
     return TableBatch(plan, inverse.to(device), offsets.to(device=device, dtype=torch.int64), mode)
 
 
 def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
+    # The cache (plus, if the plan overflowed, the host rows that did not fit) in one
+    # weight: the pooled sums run in value order whichever tier holds a row, so results
+    # are bit-identical for any cache size and depth.
     return F.embedding_bag(
-        batch.slot_ids, batch.table.cache_weight, batch.offsets, mode=batch.mode,
+        batch.slot_ids, batch.plan.lookup_weight(), batch.offsets, mode=batch.mode,
         per_sample_weights=per_sample_weights, include_last_offset=True,
     )
 
@@ -102,7 +107,7 @@ def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Te
     grad_psw = None
     if psw is not None:
         if want_psw_grad:
-            grad_psw = (g * table.cache_weight[batch.slot_ids]).sum(dim=1)
+            grad_psw = (g * batch.plan.lookup_weight()[batch.slot_ids]).sum(dim=1)
         g = g * psw.unsqueeze(1)
     row_grads = torch.zeros(batch.plan.num_rows, table.dim, dtype=g.dtype, device=g.device)
     row_grads.index_add_(0, batch.inverse, g)

@@ -33,7 +33,7 @@ Nothing here imports TorchRec; the host tier may be a view of someone else's sto
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -58,6 +58,11 @@ class FetchPlan:
     writeback_rows: torch.Tensor
     writeback_slots: torch.Tensor
     released: bool = False
+    # Rows that did not fit in the cache (only when planned with ``overflow=True``): they are
+    # read from and updated in the host tier. ``slots`` gives them ids past the cache
+    # (``num_slots + j`` for ``overflow_rows[j]``) so one lookup serves both kinds.
+    overflow_rows: Optional[torch.Tensor] = None
+    preload: bool = False  # the fills include the rows resident from the start
     # How far the data moves got: "planned" -> "written_back" -> "done". Set by whoever
     # moves the bytes (a transport); read by ``TieredTable.rollback`` after a failure.
     stage: str = "planned"
@@ -80,6 +85,25 @@ class FetchPlan:
         return self._device_slots
 
     @property
+    def num_overflow(self) -> int:
+        return 0 if self.overflow_rows is None else int(self.overflow_rows.numel())
+
+    @property
+    def cache_slots(self) -> torch.Tensor:
+        """The slots this plan pins (``slots`` without the overflow ids)."""
+        if not self.num_overflow:
+            return self.slots
+        return self.slots[self.slots < self.table.num_slots]
+
+    def lookup_weight(self) -> torch.Tensor:
+        """What ``slots`` index: the cache, followed by the overflow rows read from the host
+        tier now (nobody else holds them: see ``TieredTable.plan``)."""
+        table = self.table
+        if not self.num_overflow:
+            return table.cache_weight
+        return torch.cat([table.cache_weight, table.host_weight[self.overflow_rows].to(table.device)])
+
+    @property
     def num_hits(self) -> int:
         return self.num_rows - self.num_fills
 
@@ -98,6 +122,7 @@ class TableStats:
     rows_written_back: int = 0
     bytes_moved: int = 0
     updates: int = 0
+    overflow_rows: int = 0  # rows served from the host tier because the cache was full
 
     def hit_rate(self) -> float:
         return self.hits / self.lookups_rows if self.lookups_rows else 1.0
@@ -108,13 +133,26 @@ class TableStats:
         return d
 
 
-@dataclass
-class _ShardInfo:
-    """How this table maps to the user's global table (for error messages only)."""
+@dataclass(frozen=True)
+class Segment:
+    """One table's rows inside a store's linearized row space (FBGEMM-style: a store serving
+    several tables numbers their rows ``start .. start + num_rows``). ``shard_row_offset`` and
+    ``global_rows`` place a shard in the user's global table; they only shape messages."""
 
-    global_name: str
-    row_offset: int = 0
+    name: str
+    start: int
+    num_rows: int
+    shard_row_offset: int = 0
     global_rows: Optional[int] = None
+
+    def describe_bad_id(self, local: int) -> str:
+        if self.global_rows is not None and (self.shard_row_offset or self.global_rows != self.num_rows):
+            return (
+                f"table '{self.name}': id {local + self.shard_row_offset} is out of range [0, {self.global_rows}) "
+                f"(local id {local} in the shard of rows [{self.shard_row_offset}, "
+                f"{self.shard_row_offset + self.num_rows}))"
+            )
+        return f"table '{self.name}': id {local} is out of range [0, {self.num_rows})"
 
 
 class TieredTable:
@@ -130,6 +168,8 @@ class TieredTable:
         hot_rows: rows loaded at start and never evicted (e.g. from a hotness profile).
         host_state: optimizer state host tensors (allocated zeroed when not given).
         row_offset / global_rows: position of this shard in the global table (messages).
+        segments: the tables whose rows make up the store's row space, in order (a store
+            per TorchRec group serves all its tables); default: one table, ``name``.
     """
 
     def __init__(
@@ -144,6 +184,7 @@ class TieredTable:
         host_state: Optional[Dict[str, torch.Tensor]] = None,
         row_offset: int = 0,
         global_rows: Optional[int] = None,
+        segments: Optional[Sequence[Segment]] = None,
     ) -> None:
         if host_weight.dim() != 2:
             raise InvalidInputError(
@@ -175,7 +216,13 @@ class TieredTable:
         # Optimizer steps taken on this table (Adam's bias correction). A tensor, so that the
         # optimizer state handed to checkpoints *is* the counter, never a copy of it.
         self.steps = torch.zeros((), dtype=torch.int64)
-        self._shard = _ShardInfo(name, row_offset, global_rows)
+        self.segments: List[Segment] = list(segments or [Segment(name, 0, self.num_rows, row_offset, global_rows)])
+        if sum(seg.num_rows for seg in self.segments) != self.num_rows:
+            raise InvalidInputError(
+                f"table '{name}': segments cover {sum(seg.num_rows for seg in self.segments)} rows, "
+                f"the host tier has {self.num_rows}"
+            )
+        self._segment_ends = torch.tensor([seg.start + seg.num_rows for seg in self.segments], dtype=torch.int64)
 
         dtype = host_weight.dtype
         self.cache_weight = torch.zeros(self.num_slots, self.dim, dtype=dtype, device=self.device)
@@ -226,15 +273,12 @@ class TieredTable:
         if lo >= 0 and hi < self.num_rows:
             return
         bad = lo if lo < 0 else hi
-        s = self._shard
-        if s.global_rows is not None and (s.row_offset or s.global_rows != self.num_rows):
-            raise IdOutOfRangeError(
-                f"table '{s.global_name}': id {bad + s.row_offset} is out of range [0, {s.global_rows}) "
-                f"(local id {bad} in the shard of rows [{s.row_offset}, {s.row_offset + self.num_rows}))"
-            )
-        raise IdOutOfRangeError(
-            f"table '{s.global_name}': id {bad} is out of range [0, {self.num_rows})"
-        )
+        seg = self.segments[0] if bad < 0 else self.segments[-1]
+        raise IdOutOfRangeError(seg.describe_bad_id(bad - seg.start))
+
+    def segment_of(self, row: int) -> Segment:
+        """The table a row of the store's row space belongs to."""
+        return self.segments[int(torch.searchsorted(self._segment_ends, torch.tensor(row), right=True))]
 
     def _check_plan_rows(self, rows: torch.Tensor) -> None:
         """``plan`` needs unique, sorted int64 host rows: duplicates would map one row to two
@@ -253,27 +297,44 @@ class TieredTable:
                     f"follows row {int(rows[i])} at position {i + 1} (use unique_rows())"
                 )
 
-    def plan(self, rows: torch.Tensor, depth_hint: Optional[int] = None) -> FetchPlan:
+    def plan(self, rows: torch.Tensor, depth_hint: Optional[int] = None, overflow: bool = False) -> FetchPlan:
         """Plans the residency of ``rows`` (unique, sorted, int64, on the host) and pins them.
 
-        Raises ``CacheCapacityError`` (changing nothing) when the misses do not fit in the
-        slots that no in-flight batch pins. ``depth_hint`` only improves that message.
+        When the misses do not fit in the slots that no in-flight batch pins, raises
+        ``CacheCapacityError`` changing nothing - or, with ``overflow``, fills the free
+        slots and serves the remaining misses straight from the host tier (read at lookup,
+        updated there in backward). That is exact only while no other planned batch can
+        fetch those rows into the cache before this batch's update: the caller plans
+        overflow batches only when no later batch is planned. ``depth_hint`` only improves
+        the error message.
         """
         self._check_plan_rows(rows)
         self.validate_rows(rows)
-        preload_rows, preload_slots = self._map_preload() if self._preload_pending else (rows[:0], rows[:0])
+        preloading = self._preload_pending
+        preload_rows, preload_slots = self._map_preload() if preloading else (rows[:0], rows[:0])
         slots = self.row_to_slot[rows]
         hit = slots >= 0
         n_miss = int(rows.numel()) - int(hit.sum())
+        overflow_rows: Optional[torch.Tensor] = None
         if n_miss == 0:  # steady state of a warm cache: no victims to look for
             fill_rows = victims = writeback_rows = writeback_slots = rows[:0]
         else:
-            fill_rows = rows[~hit]
+            miss = ~hit
+            fill_rows = rows[miss]
             eligible = (self.pins == 0) & ~self.permanent
             eligible[slots[hit]] = False  # the batch's own hits may not be evicted either
             n_free = int(eligible.sum())
             if n_miss > n_free:
-                self._raise_capacity(int(rows.numel()), n_miss, n_free, depth_hint)
+                if not overflow:
+                    if preloading:  # leave no trace: the preload waits for a plan that moves it
+                        self._unmap_preload(preload_rows, preload_slots)
+                    self._raise_capacity(int(rows.numel()), n_miss, n_free, depth_hint)
+                # The last misses (in row order, so the choice is deterministic) overflow.
+                overflow_rows, fill_rows = fill_rows[n_free:], fill_rows[:n_free]
+                miss_pos = torch.nonzero(miss).flatten()
+                miss = torch.zeros_like(miss)
+                miss[miss_pos[:n_free]] = True
+                n_miss = n_free
 
             victims = self.ranking.pick_victims(n_miss, eligible, self.slot_to_row)
             victim_rows = self.slot_to_row[victims]
@@ -286,9 +347,12 @@ class TieredTable:
             # The victim's dirty bit now describes the incoming row, which is clean.
             self.dirty[victims] = False
             slots = slots.clone()
-            slots[~hit] = victims
-        self.pins[slots] += 1
-        self.ranking.touch(slots, rows)
+            slots[miss] = victims
+            if overflow_rows is not None:
+                slots[slots < 0] = self.num_slots + torch.arange(overflow_rows.numel(), dtype=torch.int64)
+        cached = slots if overflow_rows is None else slots[slots < self.num_slots]
+        self.pins[cached] += 1
+        self.ranking.touch(cached, rows if overflow_rows is None else self.slot_to_row[cached])
         self._in_flight += 1
         if preload_rows.numel():
             # Rows resident from the start travel with the first batch's fills, in the same
@@ -297,15 +361,23 @@ class TieredTable:
             victims = torch.cat([preload_slots, victims])
             n_miss = int(fill_rows.numel())
 
-        plan = FetchPlan(self, rows, slots, fill_rows, victims, writeback_rows, writeback_slots)
+        plan = FetchPlan(self, rows, slots, fill_rows, victims, writeback_rows, writeback_slots,
+                         overflow_rows=overflow_rows, preload=bool(preload_rows.numel()))
         plan.num_rows, plan.num_fills, plan.num_writebacks = int(rows.numel()), n_miss, int(writeback_rows.numel())
         st = self.stats
         st.lookups_rows += plan.num_rows
-        st.hits += plan.num_hits
+        st.hits += max(plan.num_rows - n_miss - plan.num_overflow, 0)
         st.rows_fetched += n_miss
         st.rows_written_back += plan.num_writebacks
         st.bytes_moved += plan.bytes_to_move
+        st.overflow_rows += plan.num_overflow
         return plan
+
+    def _unmap_preload(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        self.row_to_slot[rows] = -1
+        self.slot_to_row[slots] = -1
+        self.permanent[slots] = False
+        self._preload_pending = True
 
     def _raise_capacity(self, n_rows: int, n_miss: int, n_free: int, depth: Optional[int]) -> None:
         pinned = int((self.pins > 0).sum())
@@ -314,7 +386,7 @@ class TieredTable:
         # other in-flight batches that are not among them, and the permanent hot rows.
         needed = n_miss + (self.num_slots - n_free)
         msg = (
-            f"table '{self._shard.global_name}': the device cache has {self.num_slots} slots but "
+            f"table '{self.name}': the device cache has {self.num_slots} slots but "
             f"{needed} rows must be resident at once ({n_rows} rows for this batch, "
             f"{pinned} slots pinned by {self._in_flight} in-flight batch(es), {permanent} permanently hot)"
         )
@@ -374,6 +446,8 @@ class TieredTable:
             self.slot_to_row[plan.writeback_slots] = plan.writeback_rows
             self.row_to_slot[plan.writeback_rows] = plan.writeback_slots
             self.dirty[plan.writeback_slots] = True
+        if plan.preload:
+            self._preload_pending = True  # the next plan carries the preload again
         plan.stage = "done"
 
     def plan_flush(self) -> FetchPlan:
@@ -405,27 +479,45 @@ class TieredTable:
         if not checked and not bool(torch.isfinite(row_grads.sum())):
             self.release(plan)
             raise InvalidInputError(
-                f"table '{self._shard.global_name}': non-finite gradient reached the store; "
+                f"table '{self.name}': non-finite gradient reached the store; "
                 f"the update was skipped and the table is unchanged"
             )
-        slots = plan.device_slots()
+        self.steps += 1
+        step = int(self.steps)
+        if not plan.num_overflow:
+            self._update_cache(plan.device_slots(), row_grads, step)
+            self.dirty[plan.slots] = True
+        else:
+            in_cache = plan.slots < self.num_slots
+            self._update_cache(plan.slots[in_cache].to(self.device), row_grads[in_cache.to(row_grads.device)], step)
+            self.dirty[plan.slots[in_cache]] = True
+            self._update_host(plan.overflow_rows, row_grads[(~in_cache).to(row_grads.device)], step)
+        self.stats.updates += 1
+        self.release(plan)
+
+    def _update_cache(self, slots: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         weight = self.cache_weight.index_select(0, slots)
         state = {k: v.index_select(0, slots) for k, v in self.cache_state.items()}
-        self.steps += 1
-        apply_row_update(self.optimizer, weight, row_grads.to(weight.dtype), state, int(self.steps))
+        apply_row_update(self.optimizer, weight, grads.to(weight.dtype), state, step)
         self.cache_weight.index_copy_(0, slots, weight)
         for k, v in state.items():
             self.cache_state[k].index_copy_(0, slots, v)
-        self.dirty[plan.slots] = True
-        self.stats.updates += 1
-        self.release(plan)
+
+    def _update_host(self, rows: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        # Overflow rows live only in the host tier until this update: the same rule, there.
+        weight = self.host_weight.index_select(0, rows)
+        state = {k: v.index_select(0, rows) for k, v in self.host_state.items()}
+        apply_row_update(self.optimizer, weight, grads.to(device=weight.device, dtype=weight.dtype), state, step)
+        self.host_weight.index_copy_(0, rows, weight)
+        for k, v in state.items():
+            self.host_state[k].index_copy_(0, rows, v)
 
     def release(self, plan: FetchPlan) -> None:
         """Unpins the plan's slots (idempotent)."""
         if plan.released:
             return
         plan.released = True
-        self.pins[plan.slots] -= 1
+        self.pins[plan.cache_slots] -= 1
         self._in_flight -= 1
 
     # ------------------------------------------------------------------ host tier
