@@ -214,3 +214,44 @@ def test_calibrate_errors():
     assert fit.alpha_s == truth.alpha_s
     with pytest.raises(ValueError, match="step_s"):
         prediction_error(truth, {"x": replace(one_rank["p1"], step_s=None)})
+
+
+def test_projection_figure_reads_at_a_glance():
+    from torchrec_proactive.bench.scaling import model_assumptions, projection_figure
+
+    m = _model()  # compute 20 ms hides a 4 ms fetch at every depth >= 1: depths 1, 2, 4 coincide
+    rows = project(m)
+    fig = projection_figure(rows, assumptions=model_assumptions(m))
+    panels = [ax for ax in fig.axes if ax.get_xlabel() == "GPUs"]
+    assert len(panels) == 2
+    for ax in panels:
+        legend = ax.get_legend()
+        assert legend is not None, ax.get_ylabel()
+        labels = [t.get_text() for t in legend.get_texts()]
+        assert len(labels) == 4 and labels[0].startswith("reactive")
+        # the two depths that draw on top of depth 1 say so
+        assert sum("same as depth 1" in lab for lab in labels) == 2, labels
+        lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+        styles = {(ln.get_linestyle(), ln.get_marker()) for ln in lines}
+        assert len(lines) == 4 and len(styles) == 4  # every depth its own line style and marker
+        # a label at the end of the lines names every depth of a coinciding group
+        assert any("1 = 2 = 4" in t.get_text() for t in ax.texts), [t.get_text() for t in ax.texts]
+    boxes = [t for t in fig.texts if t.get_bbox_patch() is not None]
+    assert len(boxes) == 1
+    text = boxes[0].get_text()
+    for fragment in ("weak scaling", "compute 20.0 ms", "host link 25 GB/s", "not a measurement"):
+        assert fragment in text, text
+    # without given assumptions the figure still states what it assumes
+    default = projection_figure(rows)
+    assert any("weak scaling" in t.get_text() for t in default.texts if t.get_bbox_patch() is not None)
+
+
+def test_projection_figure_distinct_depths_are_not_marked_as_coinciding():
+    from torchrec_proactive.bench.scaling import projection_figure
+
+    # (in the cluster model depths >= 1 always coincide; rows as a simulator with jitter gives them)
+    rows = [{**r, "step_s": r["step_s"] * (1 - 0.05 * r["depth"])} for r in project(_model())]
+    fig = projection_figure(rows)
+    for ax in [a for a in fig.axes if a.get_xlabel() == "GPUs"]:
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert not any("same as" in lab for lab in labels), labels

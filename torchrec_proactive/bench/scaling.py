@@ -64,6 +64,8 @@ __all__ = [
     "prediction_error",
     "project",
     "plot_projection",
+    "projection_figure",
+    "model_assumptions",
     "DEFAULT_WORLD_SIZES",
     "DEFAULT_DEPTHS",
 ]
@@ -667,9 +669,47 @@ def project(
     return rows
 
 
-def plot_projection(rows: Sequence[Mapping[str, Any]], path: Union[str, Path], title: Optional[str] = None) -> Path:
-    """PNG with two panels against GPUs (log2 x axis), one line per depth: step time (ms) and
-    speedup over reactive. ``rows`` as returned by :func:`project`. Returns the path."""
+def model_assumptions(model: ClusterModel) -> List[str]:
+    """What a projection of ``model`` assumes, one short line each (the text box of the plot)."""
+    net = ("network free (alpha = beta = 0)" if model.alpha_s == 0 and model.beta_s_per_byte == 0 else
+           f"network alpha {model.alpha_s * 1e6:.3g} us/peer, "
+           + (f"{1 / model.beta_s_per_byte / 1e9:.3g} GB/s" if model.beta_s_per_byte > 0 else "unlimited bandwidth"))
+    return [
+        "weak scaling: per-GPU batch and tables fixed, every rank alike",
+        f"compute {model.compute_s * 1e3:.1f} ms/step (independent of GPUs), other {model.overhead_s * 1e3:.2g} ms",
+        f"{net}; ring all-reduce of {model.dense_param_bytes / 1e6:.3g} MB, "
+        f"output all-to-all {model.output_bytes_per_step / 1e6:.3g} MB/rank",
+        f"host link {model.host_link_bytes_per_s / 1e9:.3g} GB/s + {model.host_link_latency_s * 1e6:.3g} us, "
+        f"one copy engine: {model.rows_per_batch * (1 - model.hit_rate):.4g} cold rows/batch x "
+        f"{model.bytes_per_row:.0f} B = {model.fetch_s() * 1e3:.3g} ms",
+        "a projection of a model, not a measurement",
+    ]
+
+
+def _default_assumptions(rows: Sequence[Mapping[str, Any]]) -> List[str]:
+    r = rows[0]
+    out = ["weak scaling: per-GPU batch and tables fixed, every rank alike"]
+    if "compute_s" in r and "fetch_s" in r:
+        out.append(f"compute {float(r['compute_s']) * 1e3:.1f} ms/step, fetch {float(r['fetch_s']) * 1e3:.3g} ms/batch")
+    out.append("a projection of a model, not a measurement")
+    return out
+
+
+# Depth lines: reactive dashed; each proactive depth its own line style and marker, later ones
+# hollow and smaller so that lines drawn on top of each other stay visible.
+_LINESTYLES = ("-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)))
+_MARKERS = "osD^vP*X"
+
+
+def projection_figure(rows: Sequence[Mapping[str, Any]], title: Optional[str] = None,
+                      assumptions: Optional[Union[str, Sequence[str]]] = None) -> Any:
+    """The matplotlib ``Figure`` of :func:`plot_projection` (no file written).
+
+    Two panels against GPUs (log2 x axis), step time (ms) and speedup over reactive, one line
+    per depth, each with its own line style and marker and a legend on both panels; depths
+    whose lines coincide are labelled so (legend and line end). ``assumptions`` (lines, or
+    one string) go in a text box under the panels; by default what ``rows`` tell.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -681,31 +721,96 @@ def plot_projection(rows: Sequence[Mapping[str, Any]], path: Union[str, Path], t
                 raise ValueError(f"rows[{i}] lacks key {k!r} (expected rows from project())")
     depths = sorted({int(r["depth"]) for r in rows})
     sizes = sorted({int(r["world_size"]) for r in rows})
-    fig = Figure(figsize=(11, 4.2), dpi=120)
+    if assumptions is None:
+        assumptions = _default_assumptions(rows)
+    notes = [assumptions] if isinstance(assumptions, str) else list(assumptions)
+    series: Dict[int, List[Tuple[int, float, float]]] = {
+        k: sorted((int(r["world_size"]), float(r["step_s"]), float(r["reactive_step_s"]))
+                  for r in rows if int(r["depth"]) == k)
+        for k in depths
+    }
+
+    def same(a: int, b: int) -> bool:
+        pa, pb = series[a], series[b]
+        return [p for p, _, _ in pa] == [p for p, _, _ in pb] and all(
+            math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-12) for (_, x, _), (_, y, _) in zip(pa, pb))
+
+    # groups of depths whose lines coincide (first depth of the group leads)
+    leader: Dict[int, int] = {}
+    for k in depths:
+        leader[k] = next((j for j in depths if j < k and leader[j] == j and same(j, k)), k)
+    for k in depths:
+        group = [j for j in depths if leader[j] == k]
+        if len(group) > 1:
+            notes.append(f"depths {' = '.join(str(j) for j in group)}: identical step times in this model "
+                         f"(lines drawn on top of each other)")
+    box_h = 0.25 + 0.145 * (len(notes) + 1)  # inches: one line per note + the heading
+    fig = Figure(figsize=(12, 4.6 + box_h), dpi=120)
     FigureCanvasAgg(fig)
     ax_t, ax_s = fig.subplots(1, 2)
-    markers = "osD^vP*X"
+    colors = {k: f"C{i}" for i, k in enumerate(depths)}
     for i, k in enumerate(depths):
-        # Depths often coincide in the model: shrinking markers keep every line visible.
-        mk = {"marker": markers[i % len(markers)], "ms": max(3.0, 8.0 - 1.5 * i), "lw": max(1.0, 2.6 - 0.5 * i)}
-        pts = sorted((int(r["world_size"]), float(r["step_s"]), float(r["reactive_step_s"]))
-                     for r in rows if int(r["depth"]) == k)
-        label = "reactive (depth 0)" if k == 0 else f"proactive (depth {k})"
-        style = "--" if k == 0 else "-"
-        ax_t.plot([p for p, _, _ in pts], [s * 1e3 for _, s, _ in pts], style, label=label, **mk)
-        ax_s.plot([p for p, _, _ in pts], [rs / s if s > 0 else 1.0 for _, s, rs in pts], style, label=label, **mk)
+        pts = series[k]
+        if k == 0:
+            label, style, marker = "reactive (depth 0)", "--", "o"
+        else:
+            n = sum(1 for j in depths if 0 < j < k)
+            label = f"proactive (depth {k})"
+            style, marker = _LINESTYLES[n % len(_LINESTYLES)], _MARKERS[(n + 1) % len(_MARKERS)]
+        if leader[k] != k:
+            label += f", same as depth {leader[k]}"
+        nested = sum(1 for j in depths if j < k and leader[j] == leader[k])  # lines already under this one
+        mk = {"marker": marker, "ms": max(3.5, 8.0 - 2.0 * nested), "lw": max(1.0, 2.4 - 0.6 * nested),
+              "color": colors[k], "markerfacecolor": colors[k] if nested == 0 else "none", "markeredgewidth": 1.3}
+        xs = [p for p, _, _ in pts]
+        ax_t.plot(xs, [st * 1e3 for _, st, _ in pts], linestyle=style, label=label, **mk)
+        ax_s.plot(xs, [rs / st if st > 0 else 1.0 for _, st, rs in pts], linestyle=style, label=label, **mk)
+    # name every depth of a group at the end of its line
+    for ax, value in ((ax_t, lambda st, rs: st * 1e3), (ax_s, lambda st, rs: rs / st if st > 0 else 1.0)):
+        ends = []
+        for k in depths:
+            if leader[k] != k:
+                continue
+            group = [j for j in depths if leader[j] == k]
+            p, st, rs = series[k][-1]
+            text = ("depth " if len(group) == 1 else "depths ") + " = ".join(str(j) for j in group)
+            ends.append((value(st, rs), text, colors[k], p))
+        ends.sort()
+        lo, hi = ax.get_ylim()
+        last = -math.inf
+        for y, text, color, p in ends:  # nudged apart so that close line ends stay readable
+            y = max(y, last + 0.07 * (hi - lo))
+            last = y
+            ax.text(p * 1.12, y, text, fontsize=8, color=color, va="center", ha="left")
     for ax, ylab in ((ax_t, "step time (ms)"), (ax_s, "speedup over reactive")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes)
         ax.set_xticklabels([str(p) for p in sizes], fontsize=8)
+        ax.set_xlim(sizes[0] / 1.25, sizes[-1] * 3.4)  # room for the line-end labels
         ax.set_xlabel("GPUs")
         ax.set_ylabel(ylab)
         ax.grid(True, which="major", linestyle=":", linewidth=0.6)
     ax_t.set_ylim(bottom=0)
     ax_s.axhline(1.0, color="gray", linewidth=0.8)
-    ax_t.legend(fontsize=8)
+    ax_t.set_title("step time per GPU", fontsize=10)
+    ax_s.set_title("speedup of each depth over reactive", fontsize=10)
+    ax_t.legend(fontsize=8, loc="upper left")
+    ax_s.legend(fontsize=8, loc="upper right")
     fig.suptitle(title or "Projected step time, weak scaling (model)", fontsize=11)
-    fig.tight_layout()
+    fig.text(0.01, 0.01, "Assumptions:\n" + "\n".join(f"- {n}" for n in notes), ha="left", va="bottom",
+             fontsize=8, family="monospace",
+             bbox={"boxstyle": "round", "facecolor": "#f4f4f4", "edgecolor": "gray", "linewidth": 0.6})
+    height = 4.6 + box_h
+    fig.subplots_adjust(left=0.06, right=0.97, top=1 - 0.7 / height, bottom=(box_h + 0.6) / height, wspace=0.2)
+    return fig
+
+
+def plot_projection(rows: Sequence[Mapping[str, Any]], path: Union[str, Path], title: Optional[str] = None,
+                    assumptions: Optional[Union[str, Sequence[str]]] = None) -> Path:
+    """PNG of :func:`projection_figure` (two panels against GPUs, one line per depth: step
+    time (ms) and speedup over reactive, assumptions in a text box). ``rows`` as returned by
+    :func:`project`. Returns the path."""
+    fig = projection_figure(rows, title=title, assumptions=assumptions)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

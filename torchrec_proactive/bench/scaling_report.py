@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Dict
 
 from .rank import BenchSettings
-from .scaling import ClusterModel, StageTimes, calibrate, plot_projection, prediction_error, project
+from .scaling import (ClusterModel, StageTimes, calibrate, model_assumptions, plot_projection, prediction_error,
+                      project)
 
 _RUNS = ("reactive", "depth_1", "depth_2", "depth_4")
 
@@ -75,8 +76,12 @@ def scaling_report(settings: BenchSettings, two_rank: Dict[str, Any], out_dir: P
     errors = prediction_error(model, measured)
     rows = project(model)
     out_dir.mkdir(parents=True, exist_ok=True)
+    assumptions = model_assumptions(model)
+    assumptions.insert(-1, f"calibrated on 1 and 2 gloo CPU ranks with an emulated host link; mean |error| on "
+                           f"the measured runs {100 * errors['mean_abs_rel_error']:.0f}%")
     png = plot_projection(rows, out_dir / "projection.png",
-                          title="Projected step time, reactive vs proactive (calibrated on 1-2 CPU ranks, emulated link)")
+                          title="Projected step time, reactive vs proactive (calibrated on 1-2 CPU ranks, emulated link)",
+                          assumptions=assumptions)
     report = {
         "model": model.to_dict(),
         "prediction_error": errors,
