@@ -21,7 +21,18 @@ import torch.multiprocessing as mp
 
 
 class RankFailure(RuntimeError):
-    """A rank raised, died, or the launch ran past its timeout."""
+    """A rank raised, died, or the launch ran past its timeout.
+
+    ``rank`` is the failing rank (``None`` for a timeout of several). ``user_message`` is
+    set when that rank raised an exception marked ``user_error`` (a mistake the user can
+    fix): it is the exception's one-line message, which callers may show without the
+    traceback that ``str()`` carries.
+    """
+
+    def __init__(self, message: str, rank: Optional[int] = None, user_message: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.user_message = user_message
 
 
 def free_port() -> int:
@@ -46,9 +57,15 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs
     try:
         init_process_group(rank, world_size, port, timeout_s=pg_timeout_s)
         out = fn(rank=rank, world_size=world_size, **kwargs)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", out, None))
     except BaseException as e:  # reported to the parent, which fails the launch
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        info = {
+            # a mistake the user can fix: the parent may print just the message
+            "user_message": str(e) if getattr(e, "user_error", False) else None,
+            # this rank only stopped because another one failed: that one is the cause
+            "origin_rank": getattr(e, "origin_rank", None),
+        }
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", info))
     finally:
         if dist.is_initialized():
             try:
@@ -73,6 +90,24 @@ def _root_cause(procs: List[Any], rank: int, payload: str, reported: set, grace_
     return f"rank {rank} failed:\n{payload}"
 
 
+def _origin_report(results: "mp.Queue[Any]", rank: int, payload: str, info: Dict[str, Any],
+                   out: Dict[int, Any], grace_s: float = 5.0) -> Any:
+    """When ``rank`` failed only because ``info["origin_rank"]`` did, waits briefly for the
+    origin's own report so that the failure names the rank that actually failed."""
+    origin = info.get("origin_rank")
+    deadline = time.monotonic() + grace_s
+    while origin is not None and origin != rank and time.monotonic() < deadline:
+        try:
+            r, status, p, i = results.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if status == "ok":
+            out[r] = p
+        elif r == origin:
+            return r, p, i
+    return rank, payload, info
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 600.0,
               threads_per_rank: int = 1, pg_timeout_s: float = 120.0, **kwargs: Any) -> List[Any]:
     """Runs ``fn(rank=, world_size=, **kwargs)`` on ``world_size`` spawned ranks; returns their results.
@@ -95,7 +130,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 60
     try:
         while len(out) < world_size:
             try:
-                rank, status, payload = results.get(timeout=1.0)
+                rank, status, payload, info = results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                 if dead:
@@ -105,7 +140,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 60
                     raise RankFailure(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s:.0f} s")
                 continue
             if status == "error":
-                raise RankFailure(_root_cause(procs, rank, payload, reported=set(out) | {rank}))
+                rank, payload, info = _origin_report(results, rank, payload, info, out)
+                raise RankFailure(_root_cause(procs, rank, payload, reported=set(out) | {rank}), rank=rank,
+                                  user_message=info.get("user_message"))
             out[rank] = payload
     finally:
         for p in procs:

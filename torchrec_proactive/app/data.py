@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch.distributed as dist
 
 from ..config.schema import DataConfig
-from ..data import SyntheticCriteoSpec, generate
+from ..data import SyntheticCriteoSpec, generate, read_generated
 from ..data.criteo import PreprocessedCriteo, make_dataloaders, preprocess
-
-_SPEC_STAMP = "spec.json"
+from ..data.criteo_synth import spec_json
+from .errors import PeerFailure, UserError
 
 
 def synthetic_spec(cfg: DataConfig) -> SyntheticCriteoSpec:
@@ -26,9 +25,10 @@ def synthetic_spec(cfg: DataConfig) -> SyntheticCriteoSpec:
 
 
 def dataset_dir(cfg: DataConfig) -> Path:
-    """``criteo``: ``root``. ``synthetic``: a subdirectory of ``root`` named after the spec,
-    so two specs never share files."""
-    if cfg.source == "criteo":
+    """``criteo``: ``root``. ``synthetic``: ``root`` itself when it holds a data set written
+    by ``torchrec-proactive gen-data --out-dir <root>``, else a subdirectory of ``root``
+    named after the spec (generated on first use), so two specs never share files."""
+    if cfg.source == "criteo" or read_generated(cfg.root) is not None:
         return Path(cfg.root)
     tag = (f"{cfg.layout}_n{cfg.num_samples}_x{cfg.cardinality_scale:g}_max{cfg.max_cardinality}"
            f"_z{cfg.zipf_alpha:g}_s{cfg.seed}")
@@ -37,20 +37,26 @@ def dataset_dir(cfg: DataConfig) -> Path:
     return Path(cfg.root) / tag
 
 
-def _generate_if_needed(cfg: DataConfig, log: logging.Logger, progress: bool) -> List[Path]:
-    """Generates the synthetic TSV files unless a complete set for the same spec exists
-    (the spec stamp is written after the files, so a partial set is regenerated)."""
+def _synthetic_files(cfg: DataConfig, log: logging.Logger, progress: bool) -> List[Path]:
+    """The TSV files of a synthetic run: ``gen-data``'s in ``data.root`` if it wrote a data
+    set there, else this spec's own, generated unless a complete set exists (the spec stamp
+    is written after the files, so a partial set is regenerated)."""
+    given = read_generated(cfg.root)
+    if given is not None:
+        spec, paths = given
+        # The generator fields of data.* describe data that train would make; say that
+        # gen-data's own spec wins, so a mismatch is visible in the log.
+        log.info("data.root=%s holds a data set written by gen-data (%d rows, %s layout, seed %d): using it; "
+                 "data.num_samples and the other generator fields apply only to data train generates",
+                 cfg.root, spec.num_samples, spec.layout, spec.seed)
+        return paths
     spec = synthetic_spec(cfg)
     raw = dataset_dir(cfg) / "raw"
-    stamp = raw / _SPEC_STAMP
-    want = json.dumps(asdict(spec), sort_keys=True)
-    paths = [raw / n for n in spec.file_names()]
-    if stamp.is_file() and stamp.read_text() == want and all(p.is_file() for p in paths):
-        return paths
+    found = read_generated(raw)
+    if found is not None and spec_json(found[0]) == spec_json(spec):
+        return found[1]
     log.info("generating synthetic Criteo data (%d rows, %s layout) in %s", spec.num_samples, spec.layout, raw)
-    paths = generate(spec, raw, progress=progress)
-    stamp.write_text(want)
-    return paths
+    return generate(spec, raw, progress=progress)
 
 
 def _criteo_files(cfg: DataConfig) -> List[Path]:
@@ -59,29 +65,50 @@ def _criteo_files(cfg: DataConfig) -> List[Path]:
     files = [root / n for n in names]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise FileNotFoundError(
-            f"data.source=criteo with layout {cfg.layout!r} needs {names[0]}"
-            f"{' .. ' + names[-1] if len(names) > 1 else ''} in data.root={cfg.root!r}; missing: "
-            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}. Download and decompress the "
-            f"Criteo files there, or use data=synthetic"
+        raise UserError(
+            f"data.root={cfg.root!r} is missing the Criteo files of data.source=criteo with data.layout="
+            f"{cfg.layout!r}: needs {names[0]}{' .. ' + names[-1] if len(names) > 1 else ''}, missing "
+            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}. Download and decompress the Criteo files "
+            f"there, or use data=synthetic"
         )
     return files
 
 
+def _prepare_here(cfg: DataConfig, log: logging.Logger, progress: bool) -> PreprocessedCriteo:
+    try:
+        tsv = _synthetic_files(cfg, log, progress) if cfg.source == "synthetic" else _criteo_files(cfg)
+        out = Path(cfg.preprocessed_dir) if cfg.preprocessed_dir else dataset_dir(cfg) / "preprocessed"
+        return preprocess(tsv, out, progress=progress, frequency_threshold=cfg.frequency_threshold)
+    except OSError as e:
+        # A directory that cannot be created or written (a file in the way, no permission,
+        # a read-only mount) is the user's to fix: name the keys that choose the paths.
+        where = f"data.preprocessed_dir={cfg.preprocessed_dir!r}" if cfg.preprocessed_dir else ""
+        keys = f"data.root={cfg.root!r}" + (f" or {where}" if where else "")
+        raise UserError(f"{keys} cannot be used: {e.strerror or e} ({e.filename})" if e.filename
+                        else f"{keys} cannot be used: {e}") from e
+
+
 def prepare(cfg: DataConfig, log: logging.Logger, progress: bool = False) -> PreprocessedCriteo:
-    """Rank 0 generates (synthetic) and preprocesses; every rank gets the result."""
+    """Rank 0 generates (synthetic) and preprocesses; every rank gets the result.
+
+    If rank 0 fails, it raises its own error and every other rank raises
+    :class:`PeerFailure` naming rank 0 (so a launch reports rank 0's error, not a waiter's).
+    """
     box: List[Any] = [None]
     error: List[Any] = [None]
+    failure: Optional[BaseException] = None
     if dist.get_rank() == 0:
         try:
-            tsv = _generate_if_needed(cfg, log, progress) if cfg.source == "synthetic" else _criteo_files(cfg)
-            out = Path(cfg.preprocessed_dir) if cfg.preprocessed_dir else dataset_dir(cfg) / "preprocessed"
-            box[0] = preprocess(tsv, out, progress=progress, frequency_threshold=cfg.frequency_threshold)
+            box[0] = _prepare_here(cfg, log, progress)
         except Exception as e:  # every rank must fail, not hang in the broadcast
-            error[0] = f"{type(e).__name__}: {e}"
+            failure = e
+            error[0] = (f"{type(e).__name__}: {e}", str(e) if isinstance(e, UserError) else None)
     dist.broadcast_object_list(error, src=0)
+    if failure is not None:
+        raise failure
     if error[0] is not None:
-        raise RuntimeError(f"data preparation failed on rank 0: {error[0]}")
+        text, user_message = error[0]
+        raise PeerFailure(f"rank 0 failed to prepare the data: {text}", origin_rank=0, user_message=user_message)
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

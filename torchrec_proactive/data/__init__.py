@@ -9,9 +9,11 @@ from typing import Any
 
 from torchrec_proactive.data.criteo_synth import (
     KAGGLE_CARDINALITIES,
+    SPEC_FILE,
     TERABYTE_CARDINALITIES,
     SyntheticCriteoSpec,
     generate,
+    read_generated,
     sample_zipf_ranks,
 )
 
@@ -25,9 +27,11 @@ _LAZY = {
 
 __all__ = [
     "KAGGLE_CARDINALITIES",
+    "SPEC_FILE",
     "TERABYTE_CARDINALITIES",
     "SyntheticCriteoSpec",
     "generate",
+    "read_generated",
     "sample_zipf_ranks",
     *_LAZY,
 ]

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -235,8 +236,9 @@ def preprocess(
     ]
 
     # sparse_to_contiguous is a pure-Python loop over every value (two passes), roughly
-    # 1 s per 10^5 rows; it prints per column and file, which we hide unless progress.
-    quiet = contextlib.nullcontext() if progress else contextlib.redirect_stdout(io.StringIO())
+    # 1 s per 10^5 rows; it prints per column and file, which we hide unless progress, and
+    # then send to stderr with the bars: stdout is for results (the CLI's final JSON line).
+    quiet = contextlib.redirect_stdout(sys.stderr if progress else io.StringIO())
     with quiet:
         BinaryCriteoUtils.sparse_to_contiguous(
             [str(o["raw_sparse"]) for o in outputs],

@@ -21,9 +21,10 @@ Everything is a deterministic function of the spec (including ``seed``).
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -69,6 +70,9 @@ _INFORMATIVE_CATS = (2, 5, 8, 13, 16)
 _CAT_EFFECT_STD = 0.8
 _INFORMATIVE_INTS = (1, 7)  # columns without missing values
 _INT_WEIGHTS = (0.5, -0.4)
+
+# Written by `generate` after every file is in place: the spec of a complete data set.
+SPEC_FILE = "spec.json"
 
 _CHUNK_ROWS = 65536
 _CALIBRATION_ROWS = 20000
@@ -304,7 +308,9 @@ def generate(
 
     Each file is written to a temporary name and renamed at the end, so a path that exists
     is always complete. File ``i`` uses its own RNG stream, so the output depends only on
-    the spec, not on chunking or on which files were written before.
+    the spec, not on chunking or on which files were written before. The spec is written
+    last, to ``out_dir/spec.json`` (:data:`SPEC_FILE`), so that :func:`read_generated`
+    finds only complete data sets.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -334,4 +340,26 @@ def generate(
                     bar.update(n)
             os.replace(tmp, final)
             paths.append(final)
+    tmp = out / f".{SPEC_FILE}.{os.getpid()}.partial"
+    tmp.write_text(spec_json(spec))
+    os.replace(tmp, out / SPEC_FILE)
     return paths
+
+
+def spec_json(spec: SyntheticCriteoSpec) -> str:
+    """The spec as written to :data:`SPEC_FILE` (sorted keys, so equal specs read equal)."""
+    return json.dumps(asdict(spec), sort_keys=True)
+
+
+def read_generated(directory: Union[str, Path]) -> Optional[Tuple[SyntheticCriteoSpec, List[Path]]]:
+    """The spec and files of the complete data set :func:`generate` wrote into ``directory``,
+    or ``None`` if there is none (no :data:`SPEC_FILE`, or a file it lists is missing)."""
+    stamp = Path(directory) / SPEC_FILE
+    if not stamp.is_file():
+        return None
+    try:
+        spec = SyntheticCriteoSpec(**json.loads(stamp.read_text()))
+    except (ValueError, TypeError):  # not ours, or from an incompatible version: regenerate
+        return None
+    paths = [Path(directory) / name for name in spec.file_names()]
+    return (spec, paths) if all(p.is_file() for p in paths) else None
