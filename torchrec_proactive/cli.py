@@ -1,124 +1,227 @@
-"""``torchrec-proactive``: generate data, train, compare reactive vs. proactive, benchmark.
+"""torchrec-proactive: generate Criteo-format data, train DLRM/DCNv2 with proactive cold-row
+fetching, compare reactive vs. proactive, benchmark.
 
-    torchrec-proactive gen-data --out-dir data/synth --num-samples 100000 --max-cardinality 20000
-    torchrec-proactive train --nproc 2 experiment=debug_2rank          # N local ranks
-    torchrun --nproc_per_node 8 -m torchrec_proactive.cli train model=dlrm_kaggle data=criteo_kaggle
-    torchrec-proactive compare --nproc 2                                # the README main job
-    torchrec-proactive bench ...
+examples:
+  torchrec-proactive gen-data --out-dir data/mine --num-samples 100000 --max-cardinality 20000
+  torchrec-proactive train --nproc 2 experiment=debug_2rank data.root=data/mine
+  torchrun --nproc_per_node 8 -m torchrec_proactive.cli train experiment=kaggle_proactive data.root=/data/criteo
+  torchrec-proactive compare --nproc 2
+  torchrec-proactive bench --quick
 
-``train`` and ``compare`` take Hydra overrides of ``conf/`` (see ``conf/config.yaml``).
-Under torchrun/torchx (``WORLD_SIZE`` set) the process is one rank and ``--nproc`` is
-ignored.
+train and compare take Hydra overrides of conf/ (see `train --help`). Under torchrun or
+torchx (WORLD_SIZE set) each process is one rank and --nproc is ignored. Mistakes in
+arguments, config, data or run directory end in one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
-EXIT_USAGE = 2
+from .app.errors import EXIT_USAGE, UserError
+
+PROG = "torchrec-proactive"
 
 
-def _add_common(p: argparse.ArgumentParser, default_nproc: int) -> None:
-    p.add_argument("--nproc", type=int, default=default_nproc,
-                   help=f"local ranks to spawn when not under torchrun (default {default_nproc})")
-    p.add_argument("--config-dir", default=None, help="the conf/ directory (default: the repository's)")
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """argparse's defaults in every option's help, descriptions and epilogs kept as written.
+
+    Options without a meaningful default (``None``: the help says what happens instead,
+    required ones, positionals) get no "(default: ...)" suffix."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        if action.default is None or action.required or not action.option_strings:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int >= ``minimum`` (argparse turns the error into its usual
+    one-line usage error, exit code 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be an integer >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is invalid: must be >= {minimum}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    from . import __version__
+
+    stack = []
+    for dist in ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "hydra-core", "torchx"):
+        try:
+            stack.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return f"{PROG} {__version__} ({', '.join(stack)})"
+
+
+def _config_epilog() -> str:
+    """The config groups with their options, and the experiments, for ``train --help``."""
+    try:
+        from .app.compose import config_tree
+
+        tree = config_tree()
+    except Exception as e:  # --help must work even without a conf/ directory
+        return f"config groups: unavailable ({e})"
+    groups = {g: opts for g, opts in tree.items() if g != "experiment"}
+    width = max(len(g) for g in groups) + 2
+    lines = ["config groups (pick one with group=option; set any field with group.field=value):"]
+    lines += [f"  {g + ':':<{width}}{', '.join(opts)}" for g, opts in groups.items()]
+    lines += ["", "experiments (experiment=name; conf/experiment/<name>.yaml):",
+              f"  {', '.join(tree.get('experiment', []))}", "",
+              "every field, with its default and limits: train --cfg, and torchrec_proactive/config/schema.py.",
+              "outputs: train.output_dir (default outputs/<date>/<time>, new for every run); a directory",
+              "that holds a previous run is refused unless train.resume=true, which continues it."]
+    return "\n".join(lines)
+
+
+def _add_run_options(p: argparse.ArgumentParser, default_nproc: int) -> None:
+    p.add_argument("--nproc", type=_at_least(1), default=default_nproc,
+                   help="local ranks (processes) to spawn; ignored under torchrun/torchx")
+    p.add_argument("--config-dir", default=None,
+                   help="the Hydra config directory (default: the repository's conf/, or "
+                        "$TORCHREC_PROACTIVE_CONFIG_DIR)")
     p.add_argument("--cfg", action="store_true", help="print the composed config and exit")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=dlrm_kaggle train.batch_size=512")
+    p.add_argument("overrides", nargs="*", default=[],
+                   help="Hydra overrides: group=option (experiment=debug_2rank, prefetch=auto) or "
+                        "group.field=value (train.batch_size=512)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchrec-proactive", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The ``torchrec-proactive`` argument parser (``bench`` is handed to its own runner)."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("gen-data", help="write synthetic Criteo-format TSV (and optionally preprocess it)")
-    g.add_argument("--out-dir", required=True, help="directory for the TSV file(s)")
-    g.add_argument("--layout", choices=("kaggle", "terabyte"), default="kaggle")
-    g.add_argument("--num-samples", type=int, default=100_000)
-    g.add_argument("--num-files", type=int, default=1, help="terabyte layout: day files")
-    g.add_argument("--cardinality-scale", type=float, default=1.0)
-    g.add_argument("--max-cardinality", type=int, default=None)
-    g.add_argument("--zipf-alpha", type=float, default=1.1)
-    g.add_argument("--positive-rate", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--preprocess", action="store_true", help="also write npy files to <out-dir>/preprocessed")
-    g.set_defaults(func=cmd_gen_data)
+    g = sub.add_parser(
+        "gen-data", formatter_class=_HelpFormatter,
+        help="write synthetic Criteo-format TSV (and optionally preprocess it)",
+        description="Writes synthetic data in the Criteo TSV format (label, 13 integer and 26 hex categorical "
+                    "columns), Zipf-skewed ids, learnable labels.\n`train data=synthetic data.root=<out-dir>` "
+                    "then trains on exactly these files.")
+    g.add_argument("--out-dir", required=True,
+                   help="directory for the TSV file(s) and spec.json; pass it to train as data.root (required)")
+    g.add_argument("--layout", choices=("kaggle", "terabyte"), default="kaggle",
+                   help="kaggle: one train.txt; terabyte: day_0 .. day_<n-1>")
+    g.add_argument("--num-samples", type=int, default=100_000, help="rows to write, all files together")
+    g.add_argument("--num-files", type=int, default=1, help="day files (terabyte layout only; kaggle has 1)")
+    g.add_argument("--cardinality-scale", type=float, default=1.0,
+                   help="multiplies Criteo's per-feature cardinalities")
+    g.add_argument("--max-cardinality", type=int, default=None,
+                   help="cap on any feature's cardinality (default: no cap; train's data.max_cardinality is 20000)")
+    g.add_argument("--zipf-alpha", type=float, default=1.1, help="skew of id popularity (larger: hotter head)")
+    g.add_argument("--positive-rate", type=float, default=None,
+                   help="fraction of clicks (default: the layout's, 0.256 kaggle, 0.034 terabyte)")
+    g.add_argument("--seed", type=int, default=0, help="generator seed: the data is a function of all options")
+    g.add_argument("--preprocess", action="store_true",
+                   help="also convert to TorchRec's npy format in <out-dir>/preprocessed (train otherwise "
+                        "does it on first use)")
+    g.set_defaults(func=cmd_gen_data, parser=g)
 
-    t = sub.add_parser("train", help="train DLRM/DCNv2 on Criteo with proactive fetching")
-    _add_common(t, default_nproc=1)
-    t.set_defaults(func=cmd_train)
+    epilog = _config_epilog()
+    t = sub.add_parser("train", formatter_class=_HelpFormatter, epilog=epilog,
+                       help="train DLRM/DCNv2 on Criteo with proactive fetching",
+                       description="Trains DLRM or DCNv2 on Criteo-format data with the proactive sharder and "
+                                   "pipeline. The last line on stdout is the run's result as JSON (keys: "
+                                   "torchrec_proactive/app/result.py, TrainResult).")
+    _add_run_options(t, default_nproc=1)
+    t.set_defaults(func=cmd_train, parser=t)
 
-    c = sub.add_parser("compare", help="reactive vs. proactive on the same data and caches (emulated link on CPU)")
-    _add_common(c, default_nproc=2)
-    c.set_defaults(func=cmd_compare)
+    c = sub.add_parser("compare", formatter_class=_HelpFormatter, epilog=epilog,
+                       help="reactive vs. proactive on the same data and caches (emulated link on CPU)",
+                       description="Trains prefetch depth 0 (reactive) and depth k (proactive) side by side on "
+                                   "the same data and caches and prints a table. Default: experiment=compare_cpu.")
+    _add_run_options(c, default_nproc=2)
+    c.set_defaults(func=cmd_compare, parser=c)
 
     # `bench` hands every argument (--help included) to the runner; see main().
     sub.add_parser("bench", help="benchmarks (torchrec_proactive.bench.runner; `bench --help`)", add_help=False)
     return parser
 
 
+def _gen_data_error(parser: argparse.ArgumentParser, e: ValueError) -> None:
+    """The spec's ``field=value is invalid`` in the words of the command line (``--field``)."""
+    text = str(e)
+    for name in ("num_samples", "num_files", "cardinality_scale", "max_cardinality", "zipf_alpha",
+                 "positive_rate", "seed", "layout"):
+        text = text.replace(f"{name}=", f"--{name.replace('_', '-')}=")
+    parser.error(text)
+
+
 def cmd_gen_data(args: argparse.Namespace) -> int:
+    """``gen-data``: writes the TSV files (and ``spec.json``) into ``--out-dir``."""
     from pathlib import Path
 
     from .data import SyntheticCriteoSpec, generate
 
-    spec = SyntheticCriteoSpec(
-        layout=args.layout, num_samples=args.num_samples, cardinality_scale=args.cardinality_scale,
-        max_cardinality=args.max_cardinality, zipf_alpha=args.zipf_alpha, seed=args.seed,
-        num_files=args.num_files, positive_rate=args.positive_rate,
-    )
-    paths = generate(spec, args.out_dir)
-    print(f"wrote {len(paths)} file(s): {', '.join(str(p) for p in paths)}")
-    if args.preprocess:
-        from .data.criteo import preprocess
+    try:
+        spec = SyntheticCriteoSpec(
+            layout=args.layout, num_samples=args.num_samples, cardinality_scale=args.cardinality_scale,
+            max_cardinality=args.max_cardinality, zipf_alpha=args.zipf_alpha, seed=args.seed,
+            num_files=args.num_files, positive_rate=args.positive_rate,
+        )
+    except ValueError as e:
+        _gen_data_error(args.parser, e)
+    progress = sys.stderr.isatty()  # bars on a terminal only; redirected logs stay plain
+    try:
+        paths = generate(spec, args.out_dir, progress=progress)
+        print(f"wrote {len(paths)} file(s): {', '.join(str(p) for p in paths)}")
+        if args.preprocess:
+            from .data.criteo import preprocess
 
-        pre = preprocess(paths, Path(args.out_dir) / "preprocessed")
-        print(f"preprocessed into {pre.out_dir}: {pre.total_samples} rows, cardinalities {list(pre.cardinalities)}")
+            pre = preprocess(paths, Path(args.out_dir) / "preprocessed", progress=progress)
+            print(f"preprocessed into {pre.out_dir}: {pre.total_samples} rows, cardinalities {list(pre.cardinalities)}")
+    except OSError as e:
+        raise UserError(f"--out-dir={args.out_dir!r} cannot be written: {e.strerror or e} ({e.filename})") from e
+    print(f"train on it with: {PROG} train data=synthetic data.root={args.out_dir}")
     return 0
 
 
-def _compose_or_exit(overrides: Sequence[str], config_dir: Optional[str]) -> object:
-    from hydra.errors import HydraException
+def _run(mode: str, args: argparse.Namespace, overrides: List[str]) -> List[Any]:
+    # Only Hydra and the schema are imported before the config is composed (not torch), so a
+    # config mistake is reported in about a second.
+    from .app.compose import compose_config, to_yaml
 
-    from .app.compose import compose_config
-
-    try:
-        return compose_config(overrides, config_dir)
-    except (HydraException, ValueError, FileNotFoundError) as e:
-        print(f"torchrec-proactive: config error: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
-
-
-def _run(mode: str, args: argparse.Namespace, overrides: List[str]) -> List[object]:
-    from .app.compose import to_yaml
-    from .app.entry import launch
+    cfg = compose_config(overrides, args.config_dir)  # ConfigError: a UserError, handled by main()
+    if args.cfg:
+        print(to_yaml(cfg))
+        raise SystemExit(0)
+    from .app.entry import run_command
     from .launch import RankFailure
 
-    cfg = _compose_or_exit(overrides, args.config_dir)  # fail fast, before any rank starts
-    if args.cfg:
-        print(to_yaml(cfg))  # type: ignore[arg-type]
-        raise SystemExit(0)
     try:
-        return launch(mode, overrides, nproc=args.nproc, config_dir=args.config_dir)
-    except RankFailure as e:
-        print(f"torchrec-proactive {mode}: {e}", file=sys.stderr)
+        return run_command(mode, overrides, nproc=args.nproc, config_dir=args.config_dir, cfg=cfg)
+    except RankFailure as e:  # a bug or a crash, not a user mistake: keep the traceback
+        print(f"{PROG} {mode}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``train``: runs the ranks, prints the :class:`~torchrec_proactive.app.result.TrainResult` line."""
+    from .app.result import TrainResult
+
     results = _run("train", args, list(args.overrides))
-    first = results[0]
-    if isinstance(first, dict) and os.environ.get("RANK", "0") == "0":
-        print(json.dumps({k: first.get(k) for k in ("steps", "depth", "train_loss", "evals", "last_checkpoint")},
-                         default=str))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here
+        print(TrainResult.from_summary(results[0]).to_json())
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``compare``: reactive vs. proactive, printed as a table."""
     from .app.compare import format_table
 
     overrides = list(args.overrides)
@@ -131,23 +234,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
+    """``bench``: hands ``argv`` to :mod:`torchrec_proactive.bench.runner`."""
     try:
         runner = importlib.import_module("torchrec_proactive.bench.runner")
     except ModuleNotFoundError as e:
         if e.name not in ("torchrec_proactive.bench.runner", "torchrec_proactive.bench"):
             raise
-        print("torchrec-proactive bench: the benchmark runner (torchrec_proactive.bench.runner) is not "
+        print(f"{PROG} bench: the benchmark runner (torchrec_proactive.bench.runner) is not "
               "available in this installation", file=sys.stderr)
         return EXIT_USAGE
     import inspect
 
     if inspect.signature(runner.main).parameters:
         return int(runner.main(list(argv)) or 0)
-    sys.argv = ["torchrec-proactive bench", *argv]
+    sys.argv = [f"{PROG} bench", *argv]
     return int(runner.main() or 0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``torchrec-proactive`` console script. Returns the exit code; a
+    :class:`~torchrec_proactive.app.errors.UserError` becomes one line on stderr and 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
@@ -159,7 +265,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not hasattr(args, "overrides") or any(r.startswith("-") for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides) + rest
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

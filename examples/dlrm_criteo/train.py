@@ -24,33 +24,38 @@ log loss on the held-out split, samples/s, stall, hit rate, checkpoints).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional, Sequence
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
     p.add_argument("--config-dir", default=None, help="conf/ directory (default: the repository's)")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=debug_2rank prefetch=auto")
+    p.add_argument("overrides", nargs="*", default=[],
+                   help="Hydra overrides, e.g. experiment=debug_2rank prefetch=auto")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Trains; prints the run's result as the last line on stdout (the JSON of
+    ``torchrec_proactive.app.result.TrainResult``, the same line as ``torchrec-proactive train``)."""
     args = parse_args(argv)
-    from torchrec_proactive.app.compose import compose_config
-    from torchrec_proactive.app.entry import launch
+    from torchrec_proactive.app.entry import run_command
+    from torchrec_proactive.app.errors import EXIT_USAGE, UserError
+    from torchrec_proactive.app.result import TrainResult
 
-    compose_config(args.overrides, args.config_dir)  # bad overrides fail here, before any rank starts
-    results = launch("train", args.overrides, nproc=args.nproc, config_dir=args.config_dir)
-    summary = results[0]
+    try:
+        # composes first (bad overrides fail before any rank starts), refuses a run directory
+        # that holds another run unless train.resume=true, then launches the ranks
+        results = run_command("train", args.overrides, nproc=args.nproc, config_dir=args.config_dir)
+    except UserError as e:  # one line, no traceback: the message names key, value and limit
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here
-        last = summary["evals"][-1] if summary["evals"] else {}
-        print(json.dumps({"steps": summary["steps"], "prefetch_depth": summary["depth"],
-                          "train_loss": summary["train_loss"], "auroc": last.get("auroc"),
-                          "logloss": last.get("logloss"), "checkpoint": summary["last_checkpoint"]}))
+        print(TrainResult.from_summary(results[0]).to_json())
     return 0
 
 

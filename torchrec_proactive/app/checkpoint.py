@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from .compose import diff
+from .errors import ConfigError
+from .rundir import LATEST, MANIFEST, complete_checkpoints, latest_checkpoint
 
-MANIFEST = "MANIFEST.json"
-LATEST = "LATEST"
 FORMAT = 1
 # Keys whose change makes a checkpoint meaningless to continue from. Prefetch depth, link,
 # logging, length of training and paths may change on resume (depth never changes numerics).
@@ -119,27 +119,20 @@ class Checkpointer:
     # ------------------------------------------------------------------ find / load
     def complete(self) -> List[Path]:
         """Complete checkpoints, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(p for p in self.directory.glob("step_*") if (p / MANIFEST).is_file())
+        return complete_checkpoints(self.directory)
 
     def latest(self) -> Optional[Path]:
-        pointer = self.directory / LATEST
-        if pointer.is_file():
-            cand = self.directory / pointer.read_text().strip()
-            if (cand / MANIFEST).is_file():
-                return cand
-        complete = self.complete()  # pointer missing or pointing at an incomplete save
-        return complete[-1] if complete else None
+        """The newest complete checkpoint (``LATEST`` if it is complete), or ``None``."""
+        return latest_checkpoint(self.directory)
 
     def load(self, path: Path, config_flat: Dict[str, Any], map_location: Any) -> Dict[str, Any]:
         manifest = json.loads((path / MANIFEST).read_text())
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{path}: checkpoint format {manifest.get('format')} is not {FORMAT}")
         if manifest["world_size"] != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"{path} was written by {manifest['world_size']} ranks; this run has {self.world_size} "
-                f"(restoring sharded state needs the same world size)"
+                f"(restoring sharded state needs the same world size: --nproc {manifest['world_size']})"
             )
         check_compatible(manifest.get("config", {}), config_flat, path)
         entry = manifest["files"][str(self.rank)]
@@ -157,4 +150,4 @@ def check_compatible(saved: Dict[str, Any], current: Dict[str, Any], where: Any)
     changed = diff(saved, current, keys)
     if changed:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
-        raise ValueError(f"cannot resume from {where}: the config changed ({detail})")
+        raise ConfigError(f"cannot resume from {where}: the config changed ({detail})")

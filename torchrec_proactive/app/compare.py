@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import Config, PrefetchConfig
-from .train import build_run, describe_link
+from .train import build_run, describe_link, format_steady
 
 
 def state_digest(model: torch.nn.Module) -> str:
@@ -45,7 +45,9 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
     for label, prefetch in modes:
         train = replace(cfg.train, output_dir=str(Path(cfg.train.output_dir) / label), save_checkpoints=False,
                         resume=False)
-        trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train), cache_depth=depth))
+        # one config line for the comparison: the two runs differ only in prefetch.*
+        trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train), cache_depth=depth,
+                                  log_config=not trainers))
     for t in trainers:
         t.start()
     total = trainers[0].total
@@ -61,7 +63,8 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
         rows.append({"mode": label, "depth": prefetch.depth, "steps": summary.steps, **steady,
                      "loss": summary.train_loss})
         digests.append(state_digest(t.dmp))
-        t.log.info("%s (depth %d): %s", label, prefetch.depth, rows[-1])
+        t.log.info("%s (depth %d): %d steps, loss %.4f, %s", label, prefetch.depth, summary.steps,
+                   summary.train_loss, format_steady(summary.steady))
     same = torch.tensor([int(digests[0] == digests[1])])
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     return {"rows": rows, "identical_parameters": bool(same.item()), "link": describe_link(cfg),
@@ -70,6 +73,7 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
 
 
 def format_table(result: Dict[str, Any]) -> str:
+    """The comparison as the aligned text table the CLI prints."""
     rows = result["rows"]
     head = (f"{'mode':<10} {'depth':>5} {'samples/s':>11} {'ms/step':>9} {'stall ms/step':>14} {'hit rate':>9} "
             f"{'MB/step/rank':>13}")

@@ -1,5 +1,7 @@
 """Launching ranks: under torchrun/torchx (``WORLD_SIZE`` set) or as N local processes.
 
+torch is imported only once ranks are launched, so the CLI reports config mistakes fast.
+
 ``rank_main`` is what every rank runs: compose the config, run the mode, return a small
 picklable result. It composes on each rank (cheap) so that a rank started with different
 overrides is caught by the config check instead of silently diverging.
@@ -7,25 +9,79 @@ overrides is caught by the config check instead of silently diverging.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
-import torch.distributed as dist
-
 from .compose import compose_config
+from .errors import UserError
 
 MODES = ("train", "compare")
 
+# Warnings of the libraries underneath that a user of this package cannot act on: TorchRec
+# passes DistributedDataParallel's deprecated `broadcast_buffers` itself, TorchRec's
+# sharded tables are ShardedTensors (torch deprecates them in favour of DTensor), and
+# TorchRec's Criteo pipes use local functions. Matched by message and module, so that any
+# other warning still shows.
+_THIRD_PARTY_WARNINGS = (
+    (FutureWarning, r"`broadcast_buffers` is deprecated", r"torchrec\.distributed\.model_parallel"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\."),
+    (UserWarning, r"Local function is not supported by pickle", r"torch\.utils\.data\."),
+)
+# The same, logged through `logging` by torch.fx on TorchRec's behalf (once per process).
+_THIRD_PARTY_LOGS = (("torch.fx._symbolic_trace", "is_fx_tracing will return true"),)
+_quieted = False
 
-def _quiet() -> None:
-    # Deprecation chatter from TorchRec/torch internals on every rank; not actionable here.
-    for category in (FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
-    warnings.filterwarnings("ignore", message="Local function is not supported by pickle")
+
+class _DropMessage(logging.Filter):
+    def __init__(self, fragment: str) -> None:
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in record.getMessage()
+
+
+def quiet_third_party_warnings() -> None:
+    """Hides the known third-party warnings above, once per process.
+
+    Called by the entry points (the CLI, the example script, each spawned rank), never at
+    import: a program that imports this package keeps its own warning settings.
+    """
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    for category, message, module in _THIRD_PARTY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for logger, fragment in _THIRD_PARTY_LOGS:
+        logging.getLogger(logger).addFilter(_DropMessage(fragment))
+
+
+def _agree_output_dir(cfg: Any, overrides: Sequence[str]) -> Any:
+    """Rank 0's ``train.output_dir`` on every rank, unless the command line set it.
+
+    The default names the time the config was composed (``outputs/<date>/<time>``), and
+    each rank composes its own: ranks started a second apart would otherwise disagree."""
+    import torch.distributed as dist
+
+    if any(o.lstrip("+").startswith("train.output_dir=") for o in overrides) or dist.get_world_size() == 1:
+        return cfg
+    box = [cfg.train.output_dir]
+    dist.broadcast_object_list(box, src=0)
+    cfg.train.output_dir = box[0]
+    return cfg
+
+
+def pin_output_dir(overrides: Sequence[str], cfg: Any) -> List[str]:
+    """``overrides`` plus ``train.output_dir=<the composed value>`` unless already set, so
+    that local ranks started later use the run directory the launcher composed."""
+    if any(o.lstrip("+").startswith("train.output_dir=") for o in overrides):
+        return list(overrides)
+    return [*overrides, f"train.output_dir={cfg.train.output_dir}"]
 
 
 def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
@@ -33,19 +89,58 @@ def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
     """Runs ``mode`` on this rank (process group already initialised).
 
     ``rank_overrides`` adds overrides on some ranks only - for tests of the config check.
+    A cache too small for the prefetch depth is raised as a
+    :class:`~torchrec_proactive.app.errors.ConfigError` naming ``cache.load_factor`` and
+    ``prefetch.*``.
     """
-    _quiet()
+    quiet_third_party_warnings()
+    from ..store import CacheCapacityError
+
     extra = (rank_overrides or {}).get(rank, [])
-    cfg = compose_config(list(overrides) + list(extra), config_dir)
-    if mode == "train":
-        from .train import run_training
+    cfg = _agree_output_dir(compose_config(list(overrides) + list(extra), config_dir), overrides)
+    with warnings.catch_warnings():  # restores showwarning (and the filters) afterwards
+        warnings.showwarning = _InConfigWords(cfg, rank, warnings.showwarning)
+        try:
+            if mode == "train":
+                from .train import run_training
 
-        return asdict(run_training(cfg))
-    if mode == "compare":
-        from .compare import run_compare
+                return asdict(run_training(cfg))
+            if mode == "compare":
+                from .compare import run_compare
 
-        return run_compare(cfg)
+                return run_compare(cfg)
+        except CacheCapacityError as e:
+            from .train import capacity_error
+
+            raise capacity_error(cfg, e) from e
     raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
+
+
+def in_config_words(text: str, cfg: Any) -> str:
+    """``text`` (a message of the store or the sharder) with the library's parameter names
+    replaced by the config keys a user of the CLI sets, with their values."""
+    load_factor = f"cache.load_factor (now {cfg.cache.load_factor:g})"
+    for library_name in ("CacheParams.load_factor", "cache_load_factor"):
+        text = text.replace(library_name, load_factor)
+    return text
+
+
+class _InConfigWords:
+    """``warnings.showwarning`` for a run: this package's own warnings (e.g. a cache too
+    small for one batch) go to the rank's log as one line in config words; any other
+    warning is shown as usual."""
+
+    def __init__(self, cfg: Any, rank: int, show: Any) -> None:
+        self.cfg, self.rank, self.show = cfg, rank, show
+
+    def __call__(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                 line: Optional[str] = None) -> None:
+        log = logging.getLogger(f"torchrec_proactive.rank{self.rank}")  # set up by env.setup_logging
+        ours = f"{os.sep}torchrec_proactive{os.sep}" in filename
+        if not ours or not log.handlers:
+            self.show(message, category, filename, lineno, file, line)
+            return
+        log.warning("warning: %s", in_config_words(str(message), self.cfg))
 
 
 def under_torchrun() -> bool:
@@ -62,6 +157,9 @@ def launch(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir: Opti
     rank's traceback.
     """
     if under_torchrun():
+        import torch
+        import torch.distributed as dist
+
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
         try:
@@ -69,8 +167,35 @@ def launch(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir: Opti
         finally:
             dist.destroy_process_group()
     if nproc < 1:
-        raise ValueError(f"--nproc={nproc} is invalid: must be >= 1")
+        raise UserError(f"--nproc={nproc} is invalid: must be >= 1")
     from ..launch import run_ranks
 
     return run_ranks(rank_main, world_size=nproc, timeout_s=timeout_s, pg_timeout_s=1800.0,
                      mode=mode, overrides=list(overrides), config_dir=config_dir)
+
+
+def run_command(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir: Optional[str] = None,
+                cfg: Any = None) -> List[Any]:
+    """What the entry points (``torchrec-proactive train``/``compare``, the example script)
+    run: compose (``cfg``, if already composed), refuse a reused run directory, pin the run
+    directory for the local ranks, hide the known third-party warnings, launch.
+
+    Raises :class:`~torchrec_proactive.app.errors.UserError` for every mistake the user can
+    fix - in this process or on any rank - and :class:`~torchrec_proactive.launch.RankFailure`
+    for anything else a rank raised.
+    """
+    from .rundir import check_run_dir
+
+    cfg = compose_config(overrides, config_dir) if cfg is None else cfg  # fail fast, before any rank
+    quiet_third_party_warnings()
+    if not under_torchrun():  # under torchrun each rank checks (collectively) in build_run
+        check_run_dir(cfg)
+        overrides = pin_output_dir(overrides, cfg)
+    from ..launch import RankFailure
+
+    try:
+        return launch(mode, overrides, nproc=nproc, config_dir=config_dir)
+    except RankFailure as e:
+        if e.user_message is not None:
+            raise UserError(e.user_message) from None
+        raise

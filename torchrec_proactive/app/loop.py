@@ -46,14 +46,23 @@ class Position:
 
 @dataclass
 class Summary:
+    """A rank's results (``TrainResult.from_summary`` makes the documented JSON of it)."""
+
     steps: int = 0
     depth: int = 0
-    train_loss: float = float("nan")  # mean over rank 0's last log window
+    train_loss: float = float("nan")  # mean over this rank's last log window
     steady: Dict[str, float] = field(default_factory=dict)  # after the first steps (Trainer.steady_from)
     evals: List[Dict[str, Any]] = field(default_factory=list)
     depth_choice: Optional[Dict[str, Any]] = None
     resumed_from: Optional[str] = None
     last_checkpoint: Optional[str] = None
+    output_dir: Optional[str] = None
+    already_finished: bool = False  # resumed a run that had trained all its steps
+
+
+# Summary fields a checkpoint carries, so that resuming reports the whole run's results
+# (a run resumed after its last step trains nothing and must still report them).
+_CARRIED = ("train_loss", "steady", "evals", "depth_choice", "depth")
 
 
 class Trainer:
@@ -68,7 +77,7 @@ class Trainer:
         self.epoch_np_state: Any = None  # numpy's RNG at the epoch's start (batch shuffling)
         total = cfg.train.epochs * data.steps_per_epoch
         self.total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
-        self.summary = Summary(depth=pipeline.prefetch_depth)
+        self.summary = Summary(depth=pipeline.prefetch_depth, output_dir=cfg.train.output_dir)
         self.clock = 0.0  # seconds spent in this trainer's steps
         self._mark = 0.0
         self._batches: Optional[Iterator[Any]] = None
@@ -108,9 +117,21 @@ class Trainer:
             self.optimizer.zero_grad()
         self.optimizer.load_state_dict(state["optimizer"])
         self.pos = Position(**state["position"])
+        # FBGEMM's convention, which TorchRec's fused optimizers follow: the step counter
+        # (Adam's bias correction) is not in the optimizer state; every step updated it once.
+        self.optimizer.set_optimizer_step(self.pos.step)
         self.epoch_np_state = state["epoch_np_state"]
         set_rng_state(state["rng"])
-        self.summary.resumed_from = str(path)
+        for key, value in state.get("summary", {}).items():  # checkpoints before 0.1.x have none
+            if key in _CARRIED:
+                setattr(self.summary, key, value)
+        self.summary.resumed_from = self.summary.last_checkpoint = str(path)
+        if self.pos.step >= self.total:
+            self.summary.already_finished = True
+            self.log.info("train.resume: the run in %s already finished: checkpoint %s is at step %d and the run "
+                          "has %d steps (raise train.max_steps or train.epochs to train more); nothing to train, "
+                          "reporting that run's results", self.cfg.train.output_dir, path, self.pos.step, self.total)
+            return
         self.log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.pos.step,
                       self.pos.epoch, self.pos.batch_in_epoch)
 
@@ -126,6 +147,8 @@ class Trainer:
             "epoch_np_state": self.epoch_np_state,
             "rng": rng_state(),
             "config_hash": config_hash(self.cfg),
+            "summary": {k: getattr(self.summary, k) for k in _CARRIED if k != "depth"}
+            | {"depth": self.pipeline.prefetch_depth},
         }
         extra = {"position": asdict(self.pos), "config": flatten(self.cfg)}
         self.summary.last_checkpoint = str(self.ckpt.save(self.pos.step, payload, extra))
@@ -137,9 +160,13 @@ class Trainer:
         return self.finish()
 
     def start(self) -> None:
+        # Appends: a resumed run continues the file (a fresh run has a fresh directory,
+        # see train.check_run_dir).
         self._metrics = open(self.env.output_dir / "metrics.jsonl", "a")
+        # disable=None is tqdm's "only on a terminal": piped or redirected logs get none of
+        # its carriage returns; a 1 s refresh keeps a terminal readable too.
         self._bar = tqdm(total=self.total, initial=self.pos.step, unit="step", desc="train", dynamic_ncols=True,
-                         disable=not (self.env.is_main and self.cfg.train.progress_bar))
+                         mininterval=1.0, disable=None if self.env.is_main and self.cfg.train.progress_bar else True)
         self._start_auto()
         stats = self.pipeline.stats()
         self._window.reset(self.pos.step, stats, self.clock)
@@ -174,7 +201,8 @@ class Trainer:
         self._bar.close()
         self._metrics.close()
         self.summary.steps = self.pos.step
-        self.summary.depth = self.pipeline.prefetch_depth
+        if not self.summary.already_finished:  # else: the depth the finished run ended with
+            self.summary.depth = self.pipeline.prefetch_depth
         return self.summary
 
     def _epoch_batches(self) -> Iterator[Any]:

@@ -82,7 +82,8 @@ def evaluate(pipeline: Any, model: torch.nn.Module, loader: Any, max_batches: Op
     total = len(loader)
     if max_batches:
         batches, total = itertools.islice(batches, max_batches), min(total, max_batches)
-    with tqdm(total=total, unit="batch", desc="eval", leave=False, dynamic_ncols=True, disable=not progress) as bar:
+    with tqdm(total=total, unit="batch", desc="eval", leave=False, dynamic_ncols=True, mininterval=1.0,
+              disable=None if progress else True) as bar:  # None: on a terminal only
         def on_step(out: Any) -> None:
             _, logits, labels = out
             metrics.update(logits, labels)

@@ -6,6 +6,7 @@ the CLI, the example script and torchx).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -17,8 +18,11 @@ from . import data as data_lib
 from . import model as model_lib
 from .checkpoint import Checkpointer
 from .compose import to_yaml
+from ..store import CacheCapacityError
+from .errors import ConfigError
 from .env import check_same_config, make_env, seed_everything, setup_logging
 from .loop import Summary, Trainer
+from .rundir import check_run_dir, checkpoint_dir, latest_checkpoint
 
 
 def run_training(cfg: Config) -> Summary:
@@ -30,16 +34,38 @@ def run_training(cfg: Config) -> Summary:
     return summary
 
 
-def build_run(cfg: Config, cache_depth: Optional[int] = None) -> Trainer:
+def capacity_error(cfg: Config, e: CacheCapacityError) -> ConfigError:
+    """The store's capacity error in the words of the config: it knows the sharder's
+    ``cache_load_factor`` and ``prefetch_depth``; the user set ``cache.load_factor`` and
+    ``prefetch.*``."""
+    depth = {"off": "prefetch=off (depth 0)", "fixed": f"prefetch.depth={cfg.prefetch.depth}",
+             "auto": f"prefetch=auto (prefetch.max_depth={cfg.prefetch.max_depth})"}[cfg.prefetch.mode]
+    detail = str(e).replace("(cache_load_factor)", "(cache.load_factor)").replace("cache_load_factor", "cache.load_factor")
+    detail = detail.replace("prefetch_depth", "depth")
+    fixes = "raise cache.load_factor" + (", set cache.fit_depth=true" if not cfg.cache.fit_depth else "") + \
+        ("" if cfg.prefetch.mode == "off" else " or lower the depth")
+    return ConfigError(f"cache.load_factor={cfg.cache.load_factor:g} is too small for {depth}: {detail}; {fixes}")
+
+
+def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool = True) -> Trainer:
     """Everything a run needs, ready to ``fit``. Caches are sized for ``cache_depth``
-    (default: the deepest depth the prefetch config may use)."""
+    (default: the deepest depth the prefetch config may use). ``log_config=False`` skips
+    the config line (``compare`` builds two runs of one config)."""
+    check_run_dir(cfg)  # before anything is written there
     env = make_env(cfg)
     log = setup_logging(env)
     digest = check_same_config(cfg, env)  # before anything collective depends on the config
     (env.output_dir / "config.yaml").write_text(to_yaml(cfg))
-    log.info("config %s on %d rank(s), device %s, link %s", digest, env.world_size, env.device, describe_link(cfg))
+    if log_config:
+        log.info("config %s on %d rank(s), device %s, link %s", digest, env.world_size, env.device,
+                 describe_link(cfg))
+    if cfg.train.resume and latest_checkpoint(checkpoint_dir(cfg)) is None:
+        log.info("train.resume: no complete checkpoint in %s (set train.output_dir to the directory of the run "
+                 "to continue); starting from scratch", checkpoint_dir(cfg))
 
-    pre = data_lib.prepare(cfg.data, log, progress=env.is_main and cfg.train.progress_bar)
+    # Bars only on a terminal: the generator and preprocessing take a plain flag.
+    progress = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
+    pre = data_lib.prepare(cfg.data, log, progress=progress)
     data = data_lib.loaders(pre, cfg.data, cfg.train.batch_size)
     log.info("data: %d training steps per epoch per rank, %d eval batches, %d tables",
              data.steps_per_epoch, len(data.eval), len(data.cardinalities))
@@ -58,8 +84,7 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None) -> Trainer:
 
     checkpointer = None
     if cfg.train.save_checkpoints:
-        ckpt_dir = Path(cfg.train.checkpoint_dir or Path(cfg.train.output_dir) / "checkpoints")
-        checkpointer = Checkpointer(ckpt_dir, env.rank, env.world_size, cfg.train.keep_checkpoints, log)
+        checkpointer = Checkpointer(checkpoint_dir(cfg), env.rank, env.world_size, cfg.train.keep_checkpoints, log)
     return Trainer(cfg, env, dmp, optimizer, pipeline, data, checkpointer, log)
 
 

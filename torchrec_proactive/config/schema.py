@@ -63,7 +63,7 @@ class ModelConfig:
     """DLRM (dot interaction) or DCNv2 (low-rank cross net), TorchRec's reference models."""
 
     name: str = "debug"
-    """Label of the variant; part of the default output directory."""
+    """Label of the variant."""
     arch: str = "dlrm"
     """``dlrm``: ``torchrec.models.dlrm.DLRM``; ``dcnv2``: ``DLRM_DCN`` as in MLPerf's DCNv2."""
     embedding_dim: int = 16
@@ -105,14 +105,16 @@ class DataConfig:
     """Where the Criteo-format data comes from and how it is split."""
 
     name: str = "synthetic"
-    """Label of the variant; part of the default output directory."""
+    """Label of the variant."""
     source: str = "synthetic"
     """``synthetic``: generated Criteo-format TSV; ``criteo``: the released TSV files in ``root``."""
     layout: str = "kaggle"
     """``kaggle`` (one ``train.txt``) or ``terabyte`` (``day_0`` .. ``day_{num_days-1}``)."""
     root: str = "data/synthetic"
-    """``criteo``: directory holding the TSV files. ``synthetic``: parent directory of
-    generated data sets (each in a subdirectory named after its spec, so specs never collide)."""
+    """``criteo``: directory holding the TSV files. ``synthetic``: a directory written by
+    ``torchrec-proactive gen-data --out-dir`` (used as it is), else the parent directory of
+    data sets generated on first use (each in a subdirectory named after its spec, so specs
+    never collide)."""
     preprocessed_dir: Optional[str] = None
     """Binary (npy) output of preprocessing; ``None``: ``<data set dir>/preprocessed``."""
     num_days: int = 24
@@ -279,8 +281,10 @@ class TrainConfig:
     """Cap on evaluation batches per rank (``None``: the whole held-out split)."""
     log_every: int = 20
     """Steps between log lines (loss, samples/s, stall, hit rate)."""
-    output_dir: str = "outputs/${model.name}-${data.name}-${sharding.type}"
-    """Run directory; every rank writes under ``<output_dir>/rank_<r>`` only."""
+    output_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+    """Run directory; every rank writes under ``<output_dir>/rank_<r>`` only. The default is
+    new for every run (Hydra's run-directory pattern); a directory that holds a previous
+    run is refused unless ``resume`` is set."""
     save_checkpoints: bool = True
     """Write checkpoints at all (``compare`` turns them off)."""
     checkpoint_dir: Optional[str] = None
@@ -290,13 +294,14 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Complete checkpoints kept (older ones are deleted after a new one is complete)."""
     resume: bool = False
-    """Continue from the latest complete checkpoint in ``checkpoint_dir`` (if any)."""
+    """Continue from the latest complete checkpoint in ``checkpoint_dir`` (if any); a run
+    that already finished reports its final results and trains nothing."""
     seed: int = 0
     """Seed of torch / numpy / random on every rank."""
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu`` or ``cuda``."""
     progress_bar: bool = True
-    """tqdm bars on rank 0."""
+    """tqdm bars on rank 0 when its stderr is a terminal (never in redirected logs)."""
 
     def __post_init__(self) -> None:
         _at_least("train.epochs", self.epochs, 1)

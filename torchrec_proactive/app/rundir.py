@@ -1,0 +1,76 @@
+"""Run directories: one run per directory, and where its checkpoints are.
+
+The default ``train.output_dir`` is new for every run (``outputs/<date>/<time>``, the
+pattern of Hydra's run directories). A directory that already holds a run - a complete
+checkpoint, or a rank's metrics - is refused unless ``train.resume=true``: a fresh run
+there would overwrite its checkpoints and append to its logs.
+
+Needs neither torch nor TorchRec, so the CLI checks before it starts any rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, List, Optional
+
+from ..config.schema import Config
+from .errors import UserError
+
+MANIFEST = "MANIFEST.json"
+LATEST = "LATEST"
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    """``train.checkpoint_dir``, else ``<train.output_dir>/checkpoints``."""
+    return Path(cfg.train.checkpoint_dir or Path(cfg.train.output_dir) / "checkpoints")
+
+
+def complete_checkpoints(directory: Path) -> List[Path]:
+    """Complete checkpoints (``step_*`` with a manifest) in ``directory``, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.glob("step_*") if (p / MANIFEST).is_file())
+
+
+def latest_checkpoint(directory: Path) -> Optional[Path]:
+    """The checkpoint ``LATEST`` names if complete, else the newest complete one, or ``None``."""
+    pointer = Path(directory) / LATEST
+    if pointer.is_file():
+        cand = Path(directory) / pointer.read_text().strip()
+        if (cand / MANIFEST).is_file():
+            return cand
+    complete = complete_checkpoints(directory)  # pointer missing or pointing at an incomplete save
+    return complete[-1] if complete else None
+
+
+def previous_run(cfg: Config) -> Optional[str]:
+    """What a previous run left in this run's directories (in words, for a message), or ``None``."""
+    latest = latest_checkpoint(checkpoint_dir(cfg))
+    if latest is not None:
+        return f"a previous run (its latest checkpoint is step {int(latest.name.split('_')[-1])}, in {latest})"
+    logs = sorted(Path(cfg.train.output_dir).glob("rank_*/metrics.jsonl"))
+    if logs:
+        return f"a previous run (its metrics: {logs[0]})"
+    return None
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Raises :class:`UserError` if a fresh run (``train.resume=false``) would start where a
+    previous run left checkpoints or metrics.
+
+    Collective inside a process group of several ranks (every rank fails together if any
+    rank sees a previous run, e.g. on a node-local disk); outside one it only looks.
+    """
+    found = None if cfg.train.resume else previous_run(cfg)
+    dist: Any = sys.modules.get("torch.distributed")  # never imported just for this
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        seen: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, found)
+        found = next((s for s in seen if s is not None), None)
+    if found is not None:
+        raise UserError(
+            f"train.output_dir={cfg.train.output_dir!r} holds {found}; pass train.resume=true to continue it, "
+            f"or another train.output_dir (the default, outputs/<date>/<time>, is new for every run)"
+        )
