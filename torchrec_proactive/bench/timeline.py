@@ -40,6 +40,8 @@ __all__ = [
     "lane_order",
     "write_chrome_trace",
     "render_timeline_png",
+    "timeline_figure",
+    "MIN_STALL_WIDTH",
     "summarize",
     "dump_events",
     "load_events",
@@ -433,29 +435,31 @@ def _window(
     return t0, max(t1, t0 + 1e-9), skip
 
 
-def render_timeline_png(
+#: Drawn width of a ``stall`` event, at least this share of the window (a 10 us wait would
+#: otherwise be thinner than a pixel); each stall also gets a marker above its bar.
+MIN_STALL_WIDTH = 0.005
+_STALL_COLOR = "crimson"
+#: Hatches of the compute phases (event names "fwd b3", "bwd b3", "opt b3").
+_PHASE_HATCH = {"fwd": "", "bwd": "////", "opt": "xxxx"}
+_PHASE_LABEL = {"fwd": "fwd (forward)", "bwd": "bwd (backward)", "opt": "opt (optimizer)"}
+
+
+def _phase(e: TraceEvent) -> str:
+    """The phase of a compute event ("fwd", "bwd", ...): its name without the batch."""
+    head = e.name.split(" ")[0] if e.name else ""
+    return head if head and head != f"b{e.batch}" else ""
+
+
+def timeline_figure(
     events_by_config: Mapping[str, Sequence[EventLike]],
-    path: Union[str, Path],
     max_batches: Optional[int] = None,
     title: Optional[str] = None,
     *,
     ranks: Union[int, str, Sequence[int]] = 0,
     skip_batches: Optional[int] = None,
     dpi: int = 120,
-) -> Path:
-    """Draw the pipeline timeline (paper Fig. 1 style) and return the PNG path.
-
-    One subplot per configuration (mapping order, top to bottom), a shared x axis in ms
-    measured from each configuration's window start, one row per lane (per displayed rank:
-    rank 0 by default, every rank with ``ranks="all"``), bars coloured by ``batch % 10``
-    (tab10) and labelled ``b<batch>`` when wide enough. Each subplot states the mean step
-    time and the total stall (exposed fetch, see :func:`summarize`) of the displayed ranks,
-    computed on the whole trace minus the skipped warm-up batches.
-
-    With ``max_batches`` the picture shows that many steady-state steps after skipping
-    ``skip_batches`` warm-up batches (default: max(2, 20 %) of them, never leaving fewer than
-    ``max_batches``); events are clipped to the window. Without it, the whole trace is drawn.
-    """
+) -> Any:
+    """The matplotlib ``Figure`` of :func:`render_timeline_png` (no file written)."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PolyCollection
@@ -477,14 +481,19 @@ def render_timeline_png(
         shown = _select_ranks(evs, ranks)
         plan.append((cfg, [e for e in evs if e.rank in shown], shown))
     rows_per = [max(1, len(shown)) * len(all_lanes) for _, _, shown in plan]
-    height = 1.6 + sum(0.32 * r + 0.9 for r in rows_per)
+    height = 1.8 + sum(0.32 * r + 0.9 for r in rows_per)
     fig = Figure(figsize=(13, height), dpi=dpi)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(plan), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": rows_per})[:, 0]
 
-    x_max = 0.0
+    # Windows first: the x axis is shared, so a minimum visible width is a share of the widest.
+    windows = [_window(evs, max_batches, skip_batches) if evs else None for _, evs, _ in plan]
+    x_max = max([(w[1] - w[0]) * 1e3 for w in windows if w] + [0.0])
     legend_batches: Dict[int, None] = {}
-    for ax, (cfg, evs, shown) in zip(axes, plan):
+    phases_seen: Dict[str, None] = {}
+    stalls_seen = False
+    h = 0.36
+    for ax, (cfg, evs, shown), window in zip(axes, plan, windows):
         ax.set_title(cfg, loc="left", fontsize=10, fontweight="bold")
         row_labels: List[str] = []
         row_of: Dict[Tuple[int, str], int] = {}
@@ -500,36 +509,63 @@ def render_timeline_png(
         if not evs:
             ax.text(0.5, 0.5, "no events", transform=ax.transAxes, ha="center", va="center")
             continue
-        t0, t1, warm = _window(evs, max_batches, skip_batches)
-        span_ms = (t1 - t0) * 1e3
-        x_max = max(x_max, span_ms)
-        ys: List[int] = []
-        lefts: List[float] = []
-        widths: List[float] = []
-        colors: List[Any] = []
+        t0, t1, warm = window
+        span_ms = x_max  # label thresholds and minimum widths: shares of the drawn axis
+        bars: Dict[str, Tuple[List[Any], List[Any]]] = {}  # hatch -> (verts, colours)
+        stall_verts: List[Any] = []
+        stall_marks: Tuple[List[float], List[float]] = ([], [])
         for e in evs:
             s, t = max(e.start_s, t0), min(e.end_s, t1)
             if t < s or (t == s and e.duration_s > 0):
                 continue
             left, width = (s - t0) * 1e3, (t - s) * 1e3
             y = row_of[(e.rank, e.lane)]
-            ys.append(y)
-            lefts.append(left)
-            widths.append(width)
+            if e.lane == "stall":
+                shown_w = max(width, MIN_STALL_WIDTH * span_ms)
+                stall_verts.append([(left, y - h), (left + shown_w, y - h), (left + shown_w, y + h), (left, y + h)])
+                stall_marks[0].append(left + shown_w / 2)
+                stall_marks[1].append(y - h - 0.08)
+                stalls_seen = True
+                continue
+            phase = _phase(e) if e.lane == "compute" else ""
+            hatch = _PHASE_HATCH.get(phase, "") if phase else ""
+            if phase:
+                phases_seen[phase] = None
+            verts, colors = bars.setdefault(hatch, ([], []))
+            verts.append([(left, y - h), (left + width, y - h), (left + width, y + h), (left, y + h)])
             colors.append(cmap(e.batch % cmap.N))
             legend_batches[e.batch] = None
-            if width >= 0.035 * span_ms:
-                ax.text(left + width / 2, y, f"b{e.batch}", ha="center", va="center", fontsize=7, clip_on=True)
-        if ys:  # one collection (not one patch per bar): fast even for long traces drawn whole
-            h = 0.36
-            verts = [[(l, y - h), (l + w, y - h), (l + w, y + h), (l, y + h)] for y, l, w in zip(ys, lefts, widths)]
-            ax.add_collection(PolyCollection(verts, facecolors=colors, edgecolors="black", linewidths=0.4))
+            # compute bars name their phase first (the colour already gives the batch)
+            if phase and width >= 0.045 * span_ms:
+                text = f"{phase} b{e.batch}"
+            elif phase and width >= 0.022 * span_ms:
+                text = phase
+            elif not phase and width >= 0.025 * span_ms:
+                text = f"b{e.batch}"
+            else:
+                continue
+            ax.text(left + width / 2, y, text, ha="center", va="center", fontsize=7, clip_on=True,
+                    bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "alpha": 0.6, "linewidth": 0}
+                    if hatch else None)
+        # one collection per hatch (not one patch per bar): fast even for long traces drawn whole
+        for hatch, (verts, colors) in bars.items():
+            ax.add_collection(PolyCollection(verts, facecolors=colors, edgecolors="black", linewidths=0.4,
+                                             hatch=hatch or None))
+        if stall_verts:
+            ax.add_collection(PolyCollection(stall_verts, facecolors=_STALL_COLOR, edgecolors="black", linewidths=0.4,
+                                             gid="stall"))
+            ax.plot(stall_marks[0], stall_marks[1], linestyle="none", marker="v", ms=5, color=_STALL_COLOR,
+                    gid="stall_marker", clip_on=False)
         summ = summarize(evs, warmup_batches=warm)
         step = summ["mean_step_s"]
         n_ranks = max(1, len(summ["ranks"]))
         stall_ms = summ["stall_s"] * 1e3 / n_ranks
+        steps = sum(len(_step_starts(_skip_warmup([e for e in evs if e.rank == r], warm))) for r in summ["ranks"])
+        steps_per_rank = steps / n_ranks
+        per_step = stall_ms / steps_per_rank if steps_per_rank else 0.0
         txt = (f"mean step {step * 1e3:.2f} ms" if step is not None else "mean step n/a") + (
-            f"\ntotal stall {stall_ms:.2f} ms" + (" (per rank)" if n_ranks > 1 else "")
+            f"\nstall {per_step:.2f} ms/step" + (" per rank" if n_ranks > 1 else "")
+            + f"\n({stall_ms:.2f} ms over {steps_per_rank:.0f} steps)"
             + f"\nfetch hidden {100 * summ['fetch_overlap_fraction']:.0f} %"
         )
         ax.text(1.005, 0.98, txt, transform=ax.transAxes, ha="left", va="top", fontsize=8,
@@ -537,12 +573,49 @@ def render_timeline_png(
     for ax in axes:
         ax.set_xlim(0, x_max * 1.01 if x_max > 0 else 1.0)
     axes[-1].set_xlabel("time in window (ms)")
+    handles: List[Any] = []
     batches_shown = sorted(legend_batches)
     if batches_shown and len(batches_shown) <= 16:
-        handles = [Patch(facecolor=cmap(b % cmap.N), edgecolor="black", label=f"batch {b}") for b in batches_shown]
-        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
+        handles += [Patch(facecolor=cmap(b % cmap.N), edgecolor="black", label=f"batch {b}") for b in batches_shown]
+    handles += [Patch(facecolor="white", edgecolor="black", hatch=_PHASE_HATCH.get(ph, "") or None,
+                      label=_PHASE_LABEL.get(ph, ph)) for ph in phases_seen]
+    if stalls_seen:
+        handles.append(Patch(facecolor=_STALL_COLOR, edgecolor="black",
+                             label=f"stall: lookup waiting for its rows (drawn >= {MIN_STALL_WIDTH:.1%} of the window wide)"))
+    if handles:
+        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=7, frameon=False)
     fig.suptitle(title or "Pipeline timeline", fontsize=12)
-    fig.subplots_adjust(left=0.12, right=0.84, top=1 - 0.55 / height, bottom=1.0 / height, hspace=0.45)
+    fig.subplots_adjust(left=0.12, right=0.84, top=1 - 0.55 / height, bottom=1.25 / height, hspace=0.45)
+    return fig
+
+
+def render_timeline_png(
+    events_by_config: Mapping[str, Sequence[EventLike]],
+    path: Union[str, Path],
+    max_batches: Optional[int] = None,
+    title: Optional[str] = None,
+    *,
+    ranks: Union[int, str, Sequence[int]] = 0,
+    skip_batches: Optional[int] = None,
+    dpi: int = 120,
+) -> Path:
+    """Draw the pipeline timeline (paper Fig. 1 style) and return the PNG path.
+
+    One subplot per configuration (mapping order, top to bottom), a shared x axis in ms
+    measured from each configuration's window start, one row per lane (per displayed rank:
+    rank 0 by default, every rank with ``ranks="all"``), bars coloured by ``batch % 10``
+    (tab10) and labelled ``b<batch>`` when wide enough; compute bars are hatched by phase
+    (fwd / bwd / opt) and labelled ``fwd b3`` when wide enough. ``stall`` events (measured
+    blocking waits) are red, drawn at least :data:`MIN_STALL_WIDTH` of the window wide and
+    marked with a triangle, so even a 10 us wait is visible. One legend (batches, compute
+    phases, stall). Each subplot states the mean step time and the stall per step (and its
+    total) of the displayed ranks, computed on the whole trace minus the skipped warm-up.
+
+    With ``max_batches`` the picture shows that many steady-state steps after skipping
+    ``skip_batches`` warm-up batches (default: max(2, 20 %) of them, never leaving fewer than
+    ``max_batches``); events are clipped to the window. Without it, the whole trace is drawn.
+    """
+    fig = timeline_figure(events_by_config, max_batches, title, ranks=ranks, skip_batches=skip_batches, dpi=dpi)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
