@@ -131,7 +131,9 @@ def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], dep
         first = None
         for cache in caches:
             for k in depths:
-                if cache == "tiny":
+                if isinstance(cache, float):  # a load factor, however small: any cache size trains
+                    options = {"cache_load_factor": cache}
+                elif cache == "tiny":
                     options = {"num_slots": _tiny_slots(tables, all_batches, k)}
                 elif cache == "10pct":
                     tiny = _tiny_slots(tables, all_batches, k)
@@ -144,7 +146,9 @@ def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], dep
                 out = _run(pipe, batches)
                 params = _params(dmp)
                 dmp.module.ebc.check_invariants(expect_drained=True)
-                run = {"n_out": len(out), "hit_rate": pipe.stats().get("hit_rate", 1.0)}
+                stats = pipe.stats()
+                run = {"n_out": len(out), "hit_rate": stats.get("hit_rate", 1.0),
+                       "deferred_batches": stats.get("deferred_batches", 0), "overflow_rows": stats.get("overflow_rows", 0)}
                 if first is None:
                     first = (out, params)
                 run["bitwise_equal_to_first"] = all(torch.equal(a, b) for a, b in zip(out, first[0])) and all(
