@@ -44,8 +44,11 @@ def test_malformed_batches_are_refused():
     v = InputValidator(CONFIGS)
     with pytest.raises(InvalidInputError, match="lengths add up to 3 but it holds 2 ids"):
         v.check(kjt([1, 2], [1, 1, 1, 0, 0, 0]))
-    with pytest.raises(InvalidInputError, match="not fed to any table"):
-        v.check(kjt([1], [1, 0], keys=("user", "ghost")))
+    # Features of another module riding in the same KJT are not this module's to check
+    # (TorchRec routes each module its own), whatever their ids; ours still are.
+    v.check(kjt([1, -5], [1, 1], keys=("user", "ghost")))
+    with pytest.raises(IdOutOfRangeError, match="feature 'user'"):
+        v.check(kjt([10_000, -5], [1, 1], keys=("user", "ghost")))
     with pytest.raises(InvalidInputError, match="NaN or Inf"):
         v.check(kjt([1, 2], [1, 1, 0, 0, 0, 0], weights=[1.0, float("nan")]))
     with pytest.raises(InvalidInputError, match="integers"):
@@ -112,9 +115,16 @@ def test_empty_batches_and_a_rank_without_ids_match_stock():
 
 
 @pytest.mark.multiprocess
-def test_cache_too_small_for_depth_names_table_numbers_and_a_depth_that_fits():
-    with pytest.raises(RankFailure, match=r"CacheCapacityError: table 't\d'.*40 slots.*prefetch_depth=4.*(prefetch_depth <= \d would fit|no prefetch depth fits)"):
-        run_ranks(rw.capacity_too_small, world_size=2, timeout_s=120)
+def test_cache_too_small_for_depth_still_trains_exactly_counts_and_warns_once():
+    results = run_ranks(rw.capacity_too_small, world_size=2, timeout_s=300)
+    for res in results:
+        assert res["n"] == 8 and res["bitwise"], res
+        # the table owner's rank waited for pins, and served what never fit from the host tier
+    assert sum(r["deferred"] for r in results) > 0 and sum(r["overflow"] for r in results) > 0, results
+    for res in results:
+        assert len(res["warnings"]) <= 1, res["warnings"]  # once, not per batch
+        if res["overflow"]:
+            assert res["warnings"] and "slots" in res["warnings"][0] and "load_factor" in res["warnings"][0], res
 
 
 @pytest.mark.multiprocess

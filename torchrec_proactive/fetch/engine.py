@@ -173,9 +173,10 @@ def _work(work_queue: "queue.Queue[Any]", execute: Any) -> None:
         engine = execute()
         if engine is None:
             item._finish(FetchFailedError("fetch engine was dropped with tickets queued"))
-            continue
-        engine._execute(item)
-        del engine
+        else:
+            engine._execute(item)
+        # Nothing of the engine may stay in this frame while it waits for the next ticket.
+        del engine, item
 
 
 def _stop_worker(work_queue: "queue.Queue[Any]", worker: threading.Thread) -> None:

@@ -181,13 +181,23 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         pg: Optional[Any],
         device: Optional[torch.device],
     ) -> "ProactiveEmbeddingBag":
-        """Takes over the host weight storage of a stock fused kernel (no copy, same init).
+        """Takes over the host weight storage of a stock fused kernel (same initialisation).
 
-        ``user_fused_params`` are the group's fused params as the user gave them (the stock
-        kernel was built with plain SGD, see the sharded module)."""
+        On CPU the stock kernel's host buffer *is* the host tier (no copy). On CUDA the
+        stock kernel holds its rows in UVM; they are copied once into pinned host memory,
+        which the copy stream reads without a bounce, and the UVM buffer goes with the
+        stock kernel. ``user_fused_params`` are the group's fused params as the user gave
+        them (the stock kernel was built with plain SGD, see the sharded module)."""
         views = [w.detach() for w in stock.split_embedding_weights()]
         emb = stock.emb_module
         buffer = emb.weights_host if emb.weights_host.numel() else emb.weights_uvm
+        if buffer.device.type != "cpu":
+            pinned = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+            pinned.copy_(buffer)
+            base = buffer.storage_offset()
+            views = [pinned[v.storage_offset() - base: v.storage_offset() - base + v.numel()].view(v.shape)
+                     for v in views]
+            buffer = pinned
         return cls(stock.config, views, buffer, options, user_fused_params, engine, pg, device,
                    pooling_mode=stock._pooling)  # noqa: SLF001 - as TorchRec chose it for this sharding
 

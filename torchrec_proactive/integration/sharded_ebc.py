@@ -125,6 +125,7 @@ class ProactiveStats:
     rows_fetched: int = 0
     rows_written_back: int = 0
     bytes_moved: int = 0
+    plan_s: float = 0.0  # main-thread time spent mapping ids and planning (all batches)
     deferred_batches: int = 0  # prefetches that waited for pins (effective depth dropped)
     overflow_rows: int = 0  # rows served from the host tier because one batch outgrew the cache
     keep_records: bool = False
@@ -139,6 +140,7 @@ class ProactiveStats:
             "hits": self.hits, "hit_rate": self.hit_rate(), "rows_fetched": self.rows_fetched,
             "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
             "deferred_batches": self.deferred_batches, "overflow_rows": self.overflow_rows,
+            "plan_s": self.plan_s,
         }
 
 
@@ -189,7 +191,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 continue
             modules = lookup._emb_modules  # noqa: SLF001 - see comment above
             for g, config in enumerate(lookup.grouped_configs):
-                if not is_proactive_group(config):
+                if id(config) not in self._user_fused_params:  # marked in create_embedding_bag_sharding
                     continue
                 stock = modules[g]
                 if not isinstance(stock, BatchedFusedEmbeddingBag):
@@ -227,12 +229,19 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             type(self), sharding_infos, env, device, permute_embeddings=permute_embeddings,
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
+        on_cuda = device is not None and torch.device(device).type == "cuda"
         for config in _local_grouped_configs(sharding):
             if is_proactive_group(config) and id(config) not in self._user_fused_params:
                 fused = dict(config.fused_params or {})
                 self._user_fused_params[id(config)] = dict(fused)
                 fused["optimizer"] = EmbOptimType.EXACT_SGD
                 config.fused_params = fused
+                if on_cuda:
+                    # Not FBGEMM's UVM cache: it would allocate an HBM cache nobody reads.
+                    # Plain UVM rows only carry the initial weights until the kernel copies
+                    # them into its own pinned host tier (ProactiveEmbeddingBag.from_stock).
+                    for table in config.embedding_tables:
+                        table.compute_kernel = EmbeddingComputeKernel.FUSED_UVM
         return sharding
 
     def reset_parameters(self) -> None:
@@ -341,6 +350,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         Without ``overflow``, returns ``None`` (changing nothing) when some kernel's cache
         cannot hold the batch beside the pins in flight."""
         groups: List[PlannedGroup] = []
+        t0 = time.perf_counter()
         try:
             for (splits, kernels), features in zip(self._group_layout, dist_input):
                 if not any(k is not None for k in kernels):
@@ -356,6 +366,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 return None
             raise
         plans = [p for g in groups for p in g.plans]
+        self.proactive_stats.plan_s += time.perf_counter() - t0
         try:
             ticket = self._fetch_engine.issue(plans, tag=index)
         except BaseException:

