@@ -36,6 +36,7 @@ from torchrec_proactive.fetch.lookahead import run_lookahead  # noqa: E402
 from torchrec_proactive.store import (  # noqa: E402
     OptimizerConfig,
     OptimType,
+    Segment,
     TieredTable,
     pooled_lookup,
 )
@@ -70,12 +71,14 @@ def check_exactness(device: torch.device, steps: int) -> Dict[str, Any]:
     results = {}
     for name, dev, depth in (("cpu_depth0", torch.device("cpu"), 0), (f"{device.type}_depth2", device, 2)):
         host = init.clone().pin_memory() if dev.type == "cuda" else init.clone()
-        table = TieredTable("t", host, cfg, num_slots=40_000, device=dev)
+        # One grouped store over three tables' rows (one TorchRec group), as the kernel builds it.
+        third = rows // 3
+        segments = [Segment(f"t{i}", i * third, third if i < 2 else rows - 2 * third) for i in range(3)]
+        table = TieredTable("t0+t1+t2", host, cfg, num_slots=40_000, device=dev, segments=segments)
         engine = FetchEngine(make_transport(dev))
         anchor = torch.empty(0, device=dev, requires_grad=True)
         outs = run_loop(table, engine, anchor, batches, depth, dev)
-        engine.drain()
-        FetchEngine().flush([table])
+        engine.flush([table])  # through the copy stream, behind every ticket
         sync(dev)
         engine.close()
         results[name] = (outs, table.host_weight.clone())

@@ -40,7 +40,7 @@ class BenchSettings:
     workload: Workload = field(default_factory=Workload)
     sharding: str = "table_wise"
     cache_load_factor: float = 0.05
-    depths: Tuple[int, ...] = (1, 2, 4)
+    depths: Tuple[int, ...] = (1, 2, 4, 8)
     warmup_steps: int = 8
     measure_steps: int = 24
     link_bandwidth_gbps: Optional[float] = None  # None: calibrate to target_fetch_fraction
@@ -50,6 +50,10 @@ class BenchSettings:
     trace: bool = False
     include_auto: bool = True
     include_cache100: bool = True
+    # A cache of 1% of the rows (smaller than what k + 1 batches need): reactive and the
+    # deepest depth, to show that proactive is never slower than reactive at the same cache.
+    include_cache1: bool = True
+    small_cache_load_factor: float = 0.01
     rounds: int = 3  # every configuration runs once per round, in rotated order
 
 
@@ -118,9 +122,11 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
     s = sorted(step)
     total = {k: sum(m.deltas.get(k, 0.0) for m in runs) for k in runs[0].deltas}
     stall = _max_over_ranks([total.get("stall_s", 0.0) / n])[0]
-    rows, nbytes, wb, hits, req = _sum_over_ranks(
-        [total.get(k, 0.0) for k in ("rows_fetched", "bytes_moved", "rows_written_back", "hits", "rows_requested")]
+    rows, nbytes, wb, hits, req, deferred, overflow = _sum_over_ranks(
+        [total.get(k, 0.0) for k in ("rows_fetched", "bytes_moved", "rows_written_back", "hits", "rows_requested",
+                                     "deferred_batches", "overflow_rows")]
     )
+    plan_s = _max_over_ranks([total.get("plan_s", 0.0) / n])[0]  # main-thread planning, slowest rank
     median = statistics.median(step)
     # Reporting hook (bench runner's noise estimate): the slowest-rank step times, per round.
     per_round, i = [], 0
@@ -138,6 +144,9 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         "rows_fetched_per_step": rows / n,
         "bytes_moved_per_step": nbytes / n,
         "rows_written_back_per_step": wb / n,
+        "plan_ms_per_step": 1e3 * plan_s,
+        "deferred_batches_per_step": deferred / n,
+        "overflow_rows_per_step": overflow / n,
         "hit_rate": hits / req if req else (1.0 if total else None),
         "step_ms_per_round": per_round,
         **extra,
@@ -228,6 +237,11 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
     }
     if settings.include_cache100:
         configs["cache100"] = (lambda: proactive(link, load_factor=1.0), "fused_uvm_caching", 2, {"cache_load_factor": 1.0})
+    if settings.include_cache1:
+        small = settings.small_cache_load_factor
+        extra = {"cache_load_factor": small}
+        configs["cache1_reactive"] = (lambda: proactive(link, load_factor=small), "fused_uvm_caching", 0, extra)
+        configs["cache1"] = (lambda: proactive(link, load_factor=small), "fused_uvm_caching", max(settings.depths), extra)
     runs: Dict[str, List[Measurement]] = {}
     failed: Dict[str, str] = {}
     for r in range(settings.rounds):

@@ -7,27 +7,58 @@ A ticket's data moves in three parts, all FIFO on one worker thread and one copy
 2. *gather* the missing rows on the host into pinned staging (a CPU ``index_select``);
 3. *fill*: copy the staging to the device (async) and scatter into the victim slots.
 
-Stream fences, as a timeline (compute stream C, copy stream X, worker thread W, main M)::
+Stream fences, as numbered timelines (compute stream C, copy stream X, worker thread W,
+main thread M). One ticket, steady state::
 
-    1. M  plan(N+k): picks victims - slots no in-flight batch pins.
+    1. M  plan(N+k): picks victims - slots no in-flight batch pins. The rows resident from
+          the start (preload) are fills of the first plan; a flush is a plan of write-backs
+          only; all of them are tickets like any other, so all go through X in issue order.
     2. M  issue: records event E_ready on C. Every kernel that last updated a victim slot
           (the backward of an earlier batch) was enqueued on C before E_ready.
     3. W  X.wait_event(E_ready): the write-back gather cannot read a victim slot before its
           last update ran, nor can the fill overwrite it.
     4. W  write back (synchronise X: the host scatter needs the bytes), gather, H2D, scatter;
-          record E_done on X. The pinned staging of ticket t is rewritten only after the
-          H2D of ticket t-1 completed (W synchronises on it first), so no copy reads a
-          half-overwritten buffer.
+          record E_done on X.
     5. M  forward(N+k): C.wait_event(E_done) before the lookup reads the slots.
     6. M  backward(N+k) updates the slots on C; the slots stay pinned until then, so no
           later ticket picks them as victims (step 1) while those kernels are pending.
+
+Whoever waits first (the forward, a ``drain`` for a checkpoint, a flush): every successful
+``FetchEngine.wait`` calls ``complete``, which enqueues ``C.wait_event(E_done)`` on the
+*current* stream of the waiting thread, so::
+
+    1. M  drain() on stream S waits for ticket t: S.wait_event(E_done(t)).
+    2. M  forward on C waits for t again: C.wait_event(E_done(t)) - not skipped because
+          someone else waited first; an already-passed event costs nothing on the GPU.
+
+Staging reuse (pinned host arenas shared by consecutive tickets)::
+
+    1. W  ticket t enqueues H2D copies that read arena A; records E_h2d(t) on X.
+    2. W  ticket t+1 starts: E_h2d(t).synchronize() before rewriting A, so no copy of t
+          reads bytes of t+1. Write-back staging is read by the host right after an X
+          synchronize, so it is free at once.
+
+A failed ticket (an exception in W)::
+
+    1. W  raises in ticket t; the engine cancels every ticket queued behind t (they never
+          touch X) and records the failure.
+    2. M  the next wait/issue rolls back t and the cancelled tickets, newest first: their
+          rows are unmapped (host copies are current) or their dirty victims re-mapped.
+    3. M  the next ticket plans against a store in which every mapped row is in its slot,
+          so it is correct whatever t left half-copied in the slots it had claimed.
+
+Stall on the GPU timeline (not host enqueue time): ``complete`` records E_wait0 on the
+waiting stream before ``wait_event(E_done)`` and E_wait1 after it; ``E_wait0 ->
+E_wait1`` is how long that stream sat blocked on the copy. Pairs are read once both have
+completed (no synchronisation), summed in ``gpu_stall_ms``.
 
 Nothing here imports TorchRec.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,6 +109,8 @@ class CudaStreamTransport(Transport):
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self.staging = _PinnedStaging()
         self._last_h2d: Optional[torch.cuda.Event] = None
+        self._stall_events: Deque[Tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self.gpu_stall_ms = 0.0
 
     def prepare(self, ticket: Ticket) -> None:
         ticket.ready_event = torch.cuda.current_stream(self.device).record_event()
@@ -103,8 +136,24 @@ class CudaStreamTransport(Transport):
             ticket.device_event = self._last_h2d
 
     def complete(self, ticket: Ticket) -> None:
-        if ticket.device_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(ticket.device_event)
+        if ticket.device_event is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        before = stream.record_event(torch.cuda.Event(enable_timing=True))
+        stream.wait_event(ticket.device_event)
+        after = stream.record_event(torch.cuda.Event(enable_timing=True))
+        self._stall_events.append((before, after))
+        self._harvest_stalls()
+
+    def _harvest_stalls(self) -> None:
+        while self._stall_events and self._stall_events[0][1].query():
+            before, after = self._stall_events.popleft()
+            self.gpu_stall_ms += before.elapsed_time(after)
+
+    @property
+    def gpu_stall_s(self) -> float:
+        self._harvest_stalls()
+        return self.gpu_stall_ms / 1e3
 
     def _tensors(self, plan: Any) -> List[tuple]:
         t = plan.table
@@ -137,4 +186,5 @@ class CudaStreamTransport(Transport):
             cache.view(cache.shape[0], -1).index_copy_(0, slots, rows)
 
     def describe(self) -> Dict[str, Any]:
-        return {"kind": self.kind, "device": str(self.device), "pinned_allocations": self.staging.allocations}
+        return {"kind": self.kind, "device": str(self.device), "pinned_allocations": self.staging.allocations,
+                "gpu_stall_s": self.gpu_stall_s}

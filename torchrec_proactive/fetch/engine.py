@@ -262,11 +262,11 @@ class FetchEngine:
         if not ticket.waited:
             ticket.waited = True
             self.stats.stall_s += stall
-            if ticket._error is None:
-                self.transport.complete(ticket)
             self._outstanding.pop(ticket.seq, None)
         if ticket._error is not None:
             raise ticket._error
+        # Every waiter's stream is fenced, not only the first one's (see fetch/cuda.py).
+        self.transport.complete(ticket)
         return stall
 
     def drain(self) -> None:
