@@ -265,6 +265,15 @@ def check_planner(rank: int, world_size: int) -> Dict[str, Any]:
                                  opt.compute_kernel)
         res["storage"] = storage
         res["table_bytes"] = {c.name: c.num_embeddings * c.embedding_dim * 4 for c in big}
+        # The same constraints on a CUDA topology (planning needs no GPU): TorchRec's storage
+        # estimator has device memory there, and puts the cache in it. On CPU it has none.
+        cuda_planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cuda"),
+                                                constraints=constraints)
+        cuda_planner.plan(Model(big, device=torch.device("meta")), [sharder])
+        res["cuda_storage"] = {
+            opt.name: (sum(s.storage.hbm for s in opt.shards), sum(s.storage.ddr for s in opt.shards), opt.compute_kernel)
+            for opt in cuda_planner._best_plan or []  # noqa: SLF001
+        }
         plan = EmbeddingShardingPlanner(topology=topology(), constraints=constraints).collective_plan(
             Model(big, device=torch.device("meta")), [sharder], pg)
         res["constrained_kernels"] = sorted({ps.compute_kernel for ps in plan.plan["sparse"].values()})
@@ -576,6 +585,8 @@ def check_fetch_threads(rank: int, world_size: int) -> Dict[str, Any]:
     def live() -> int:
         return sum(1 for t in threading.enumerate() if t.name == "proactive-fetch" and t.is_alive())
 
+    for _ in range(3):  # engines of earlier checks in this process are collected first
+        gc.collect()
     start = live()
     dmp, opt = build("proactive", fresh(configs), "row_wise", SGD, world_size, None, cache_load_factor=0.5,
                      link=LinkModel(bandwidth_gbps=1.0, latency_us=10))

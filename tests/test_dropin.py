@@ -79,10 +79,15 @@ def test_1_torchrec_planner_plans_fused_uvm_caching_on_cpu(launch_a):
         assert "constrained_error" not in res, res
         assert res["constrained_kernels"] == ["fused_uvm_caching"]
         for name, (hbm, ddr, kernel) in res["storage"].items():
+            # CPU: TorchRec's topology has no device memory; the table is in host memory
+            assert kernel == "fused_uvm_caching" and hbm == 0 and ddr >= res["table_bytes"][name], (name, hbm, ddr)
+        assert set(res["cuda_storage"]) == set(res["table_bytes"])
+        for name, (hbm, ddr, kernel) in res["cuda_storage"].items():
             table = res["table_bytes"][name]
             assert kernel == "fused_uvm_caching"
-            # load_factor (0.1) x table bytes in device memory, the table itself in host memory
-            assert 0.1 * table <= hbm <= 0.1 * table * 1.5, (name, hbm, table)
+            # load_factor (0.1) x table bytes in device memory (plus TorchRec's pipeline I/O
+            # buffers), far less than the table, which is in host memory
+            assert 0.1 * table <= hbm < 0.25 * table, (name, hbm, table)
             assert ddr >= table, (name, ddr, table)
         assert res.get("unconstrained_ok"), res.get("unconstrained_error")
         assert res.get("dmp_no_plan_steps") == 3, res.get("dmp_no_plan_error")
@@ -201,9 +206,11 @@ def _abandon_scenario(engine: FetchEngine) -> torch.Tensor:
         tb = engine.issue([b])
         assert b.writeback_rows.numel() == 1
         # The next batch wants that row back; another table of that batch then fails to plan,
-        # so this table's plan is abandoned. The row's queued write-back must land first.
+        # so this table's plan (never issued) is undone. The row's queued write-back must
+        # still land, and nothing may be copied outside ticket order.
         c = table.plan(b.writeback_rows.clone())
-        table.abandon(c)
+        table.rollback(c)
+        table.release(c)
         engine.wait(t_busy)
         engine.wait(tb)
         table.release(b)
@@ -211,8 +218,7 @@ def _abandon_scenario(engine: FetchEngine) -> torch.Tensor:
         d = table.plan(torch.tensor([0, 1]))
         engine.wait(engine.issue([d]))
         table.apply_gradients(d, torch.ones(2, table.dim))
-        engine.drain()
-        table.flush()
+        engine.flush([table])
         return table.host_weight.clone()
     finally:
         engine.close()

@@ -10,7 +10,8 @@ per-kernel bandwidth table) rather than by replacing another kernel in the plan:
 * lookups read the cache, which on CPU lives in host DRAM: the bandwidth of ``fused`` on CPU
   (``1 x DDR_MEM_BW``, TorchRec's value);
 * memory: TorchRec's storage estimator already puts ``load_factor x`` the table in device
-  memory (the cache) and the whole table in host memory (the host tier);
+  memory (the cache) and the whole table in host memory (the host tier) on CUDA
+  topologies; a CPU topology has no device memory, so there everything is host memory;
 * the fetch of missing rows: TorchRec's estimator already charges it as ``prefetch`` cost
   (expected misses x row bytes / host-to-device bandwidth) when the plan's ``CacheParams``
   carry cache statistics.
