@@ -51,6 +51,7 @@ DEV = torch.device("cpu")
 LR = 0.05
 DENSE = 4
 SGD = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+ADAGRAD = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8}
 RW_ADAGRAD = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8}
 
 
@@ -313,6 +314,38 @@ def check_mean_pooling(rank: int, world_size: int, shardings: List[str]) -> Dict
             "first_out_diff": out_diff(runs["stock"][0][:1], runs["proactive"][0][:1]),
             "out_diff": out_diff(runs["stock"][0], runs["proactive"][0]),
             "param_diff": max_diff(runs["stock"][1], runs["proactive"][1]),
+        }
+    return res
+
+
+def check_model_shapes(rank: int, world_size: int, shardings: List[str]) -> Dict[str, Any]:
+    """Mixed dims, one table serving two features, sum and mean pooling, int32 ids, a cache
+    smaller than a batch: vs stock and bit-identical across depths, per sharding type."""
+    configs = [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=300, feature_names=["f0", "f0b"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=200, feature_names=["f1"],
+                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=100, feature_names=["f2"]),
+    ]
+    seed = seed_model(configs).state_dict()
+    data = []
+    for b in batches(configs, 4, rank):
+        kjt = b.sparse_features
+        ids32 = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().to(torch.int32),
+                                  lengths=kjt.lengths().to(torch.int32))
+        data.append(Batch(dense_features=b.dense_features, sparse_features=ids32, labels=b.labels))
+    res = {}
+    for sharding in shardings:
+        dmp, opt = build("stock", fresh(configs), sharding, ADAGRAD, world_size, seed)
+        stock = (train(pipeline_for("stock", dmp, opt), data), params(dmp))
+        runs = {}
+        for depth in (0, 2):
+            dmp, opt = build("proactive", fresh(configs), sharding, ADAGRAD, world_size, seed, cache_load_factor=0.02)
+            runs[depth] = (train(pipeline_for("proactive", dmp, opt, depth=depth), data), params(dmp))
+        res[sharding] = {
+            "n": len(runs[2][0]),
+            "out_diff": out_diff(stock[0], runs[2][0]), "param_diff": max_diff(stock[1], runs[2][1]),
+            "bitwise_across_depths": out_diff(runs[0][0], runs[2][0]) == 0.0 and max_diff(runs[0][1], runs[2][1]) == 0.0,
         }
     return res
 

@@ -33,6 +33,7 @@ LAUNCH_A = {
     "planner": {},
     "mean_pooling": {"shardings": ["row_wise", "table_row_wise"]},
     "two_ebcs_one_kjt": {},
+    "model_shapes": {"shardings": ["table_wise", "row_wise", "column_wise", "table_row_wise"]},
     "optimizer_in_backward": {},
     "optimizer_state_dict_and_dcp": {},  # ckpt_dir filled in by the fixture
 }
@@ -98,6 +99,14 @@ def test_2_mean_pooling_row_wise_and_table_row_wise_match_stock(launch_a):
     for res in _ok(launch_a, "mean_pooling"):
         for sharding, r in res.items():
             assert r["first_out_diff"] < TOL, (sharding, r)
+            assert r["out_diff"] < TOL and r["param_diff"] < TOL, (sharding, r)
+
+
+@pytest.mark.multiprocess
+def test_model_shapes_mixed_dims_shared_table_mean_int32_tiny_cache_match_stock(launch_a):
+    for res in _ok(launch_a, "model_shapes"):
+        for sharding, r in res.items():
+            assert r["n"] == 4 and r["bitwise_across_depths"], (sharding, r)
             assert r["out_diff"] < TOL and r["param_diff"] < TOL, (sharding, r)
 
 
