@@ -199,6 +199,7 @@ class TieredTable:
         self.optimizer = optimizer
         self.num_rows, self.dim = int(host_weight.shape[0]), int(host_weight.shape[1])
         self.num_slots = max(1, min(int(num_slots), self.num_rows)) if self.num_rows else 1
+        self.holds_every_row = self.num_slots >= self.num_rows
         self.host_weight = host_weight
         self.host_state: Dict[str, torch.Tensor] = {}
         for key, shape in optimizer.state_shapes(self.dim).items():
@@ -351,9 +352,11 @@ class TieredTable:
             slots[miss] = victims
             if overflow_rows is not None:
                 slots[slots < 0] = self.num_slots + torch.arange(overflow_rows.numel(), dtype=torch.int64)
-        cached = slots if overflow_rows is None else slots[slots < self.num_slots]
-        self._add_pins(cached, 1)
-        self.ranking.touch(cached, rows if overflow_rows is None else self.slot_to_row[cached])
+        if not self.holds_every_row:
+            # (A cache that holds every row never evicts: pins and recency would protect nothing.)
+            cached = slots if overflow_rows is None else slots[slots < self.num_slots]
+            self._add_pins(cached, 1)
+            self.ranking.touch(cached, rows if overflow_rows is None else self.slot_to_row[cached])
         self._in_flight += 1
         if preload_rows.numel():
             # Rows resident from the start travel with the first batch's fills, in the same
@@ -518,7 +521,8 @@ class TieredTable:
         if plan.released:
             return
         plan.released = True
-        self._add_pins(plan.cache_slots, -1)
+        if not self.holds_every_row:
+            self._add_pins(plan.cache_slots, -1)
         self._in_flight -= 1
 
     def _add_pins(self, slots: torch.Tensor, delta: int) -> None:
