@@ -121,6 +121,8 @@ def test_progress_on_stderr_and_a_clean_stdout(tiny_run):
     assert re.search(r"round 2/2", proc.stderr), proc.stderr[-2000:]
     assert "scaling" in proc.stderr and "%|" in proc.stderr
     assert "%|" not in proc.stdout and "round 2/2" not in proc.stdout
+    done, total = map(int, re.findall(r"(\d+)/(\d+) \[", proc.stderr.split("scaling")[0])[-1])
+    assert done <= total  # the bar's total counts every measurement
     for c in report["configs"]:
         assert c["name"] in proc.stderr  # the bar says which configuration runs
 

@@ -292,8 +292,9 @@ def _settings(args: argparse.Namespace) -> Any:
 
 
 def _expected_measurements(settings: Any) -> int:
-    # resident, reactive, the depths, cache100 and auto (measured in every round)
-    configs = 2 + len(settings.depths) + (1 if settings.include_cache100 else 0) + (1 if settings.include_auto else 0)
+    # resident, reactive, the depths, cache100, the 1% cache pair and auto (measured in every round)
+    configs = (2 + len(settings.depths) + (1 if settings.include_cache100 else 0)
+               + (2 if getattr(settings, "include_cache1", False) else 0) + (1 if settings.include_auto else 0))
     return (2 if settings.link_bandwidth_gbps is None else 0) + settings.rounds * configs
 
 
