@@ -332,3 +332,13 @@ def test_property_any_stream_any_cache_equals_resident(seed, depth, extra_slots,
         torch.testing.assert_close(out, ref.forward_backward(*b), rtol=1e-5, atol=1e-6)
     FetchEngine().flush([table])
     torch.testing.assert_close(table.host_weight, ref.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_preloaded_rows_count_as_hits_not_misses():
+    # A full cache moves every row in with the first plan: moved, but not missed.
+    table = TieredTable("t", torch.randn(50, 4), OptimizerConfig(), num_slots=50)
+    plan = table.plan(torch.tensor([3, 7, 9]))
+    assert plan.num_fills == 50 and plan.num_preloaded == 50 and plan.num_hits == 3
+    FetchEngine().run([plan])
+    table.release(plan)
+    assert table.stats.hit_rate() == 1.0

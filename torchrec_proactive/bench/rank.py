@@ -191,6 +191,7 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
     dense_bytes = sum(p.numel() * 4 for n, p in DLRMTrainModel(w).named_parameters() if "embedding_bags" not in n)
     results: Dict[str, Dict[str, Any]] = {}
     traces: Dict[str, List[Dict[str, Any]]] = {}
+    bookkeeping: Dict[str, float] = {}  # store bookkeeping bytes / host-tier bytes, per config
 
     def measure(name: str, sharder: Any, kernel: str, depth: Optional[int],
                 round_index: Optional[int] = None) -> Measurement:
@@ -204,7 +205,11 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
                                           trace=settings.trace and name not in traces)
         m = _train(pipe, batches, settings.warmup_steps)
         if depth is not None:
-            dmp.module.model.sparse_arch.embedding_bag_collection.check_invariants(expect_drained=True)
+            ebc = dmp.module.model.sparse_arch.embedding_bag_collection
+            ebc.check_invariants(expect_drained=True)
+            stores = list(ebc.named_tables().values())
+            host = sum(t.host_tier_bytes() for t in stores)
+            bookkeeping[name] = sum(t.bookkeeping_bytes() for t in stores) / host if host else 0.0
             if pipe.tracer.enabled:
                 traces[name] = list(pipe.tracer.events)
         if progress is not None:
@@ -270,6 +275,8 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
         if name in failed:
             results[name] = {"name": name, "prefetch_depth": depth, "error": failed[name]}
         elif name in runs:
+            if name in bookkeeping:
+                extra = {**extra, "bookkeeping_fraction_of_host_tier": _max_over_ranks([bookkeeping[name]])[0]}
             results[name] = _summarize(name, settings, runs[name], world_size, {"prefetch_depth": depth, **extra})
 
     comm = _measure_comm(settings, world_size, dense_bytes) if world_size > 1 else {

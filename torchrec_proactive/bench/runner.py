@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--cache-load-factor", type=float_in(0.0, 1.0), default=0.05, metavar="F",
                    help="device cache size as a fraction of each table's rows")
     m = p.add_argument_group("measurement")
-    m.add_argument("--depths", type=comma_list(int_at_least(1), "integers >= 1"), default="1,2,4",
+    m.add_argument("--depths", type=comma_list(int_at_least(1), "integers >= 1"), default="1,2,4,8",
                    metavar="K,...", help="proactive prefetch depths (reactive, depth 0, always runs)")
     m.add_argument("--warmup", type=int_at_least(1), default=8, metavar="N", help="warm-up steps per run, not timed")
     m.add_argument("--steps", type=int_at_least(1), default=24, metavar="N", help="timed steps per run")

@@ -388,7 +388,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for tb in group.table_batches:
                 plan = tb.plan
                 requested += plan.num_rows
-                hits += plan.num_rows - plan.num_fills - plan.num_overflow
+                hits += plan.num_hits
                 written_back += plan.num_writebacks
                 st.overflow_rows += plan.num_overflow
         st.batches += 1

@@ -40,7 +40,7 @@ class SlotRanking:
         self.last_used = torch.full((num_slots,), -1, dtype=torch.int64)
         # LFU counts accesses per *row*, so a row that comes back keeps its history.
         self.row_freq: Optional[torch.Tensor] = (
-            torch.zeros(num_rows, dtype=torch.int64) if policy is EvictionPolicy.LFU else None
+            torch.zeros(num_rows, dtype=torch.int32) if policy is EvictionPolicy.LFU else None
         )
 
     def touch(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -61,7 +61,7 @@ class SlotRanking:
         else:
             occupied = slot_to_row >= 0
             freq = torch.zeros_like(self.last_used)
-            freq[occupied] = self.row_freq[slot_to_row[occupied]]
+            freq[occupied] = self.row_freq[slot_to_row[occupied]].long()
             # Frequency first, recency breaks ties; empty slots (-1) stay first.
             score = torch.where(occupied, freq * (self._tick + 2) + self.last_used + 1, -1)
         score = score.masked_fill(~eligible, _NEVER)

@@ -63,6 +63,7 @@ class FetchPlan:
     # (``num_slots + j`` for ``overflow_rows[j]``) so one lookup serves both kinds.
     overflow_rows: Optional[torch.Tensor] = None
     preload: bool = False  # the fills include the rows resident from the start
+    num_preloaded: int = 0  # how many of the fills those are
     # How far the data moves got: "planned" -> "written_back" -> "done". Set by whoever
     # moves the bytes (a transport); read by ``TieredTable.rollback`` after a failure.
     stage: str = "planned"
@@ -105,7 +106,9 @@ class FetchPlan:
 
     @property
     def num_hits(self) -> int:
-        return self.num_rows - self.num_fills
+        """The batch's rows already in the cache (preloaded rows count as hits: they are
+        moved, but not because this batch missed them)."""
+        return self.num_rows - (self.num_fills - self.num_preloaded) - self.num_overflow
 
     @property
     def bytes_to_move(self) -> int:
@@ -236,7 +239,9 @@ class TieredTable:
         )
 
         # Bookkeeping lives on the host whatever the device: it is consulted by the planner.
-        self.row_to_slot = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        # The one per-host-row map is int32 (4 bytes a row, 1.6% of a 64-dim fp32 row): the
+        # cache has far fewer than 2**31 slots. Slot ids leave it as int64 (index dtype).
+        self.row_to_slot = torch.full((self.num_rows,), -1, dtype=torch.int32)
         self.slot_to_row = torch.full((self.num_slots,), -1, dtype=torch.int64)
         self.pins = torch.zeros(self.num_slots, dtype=torch.int32)
         self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
@@ -314,7 +319,7 @@ class TieredTable:
         self.validate_rows(rows)
         preloading = self._preload_pending
         preload_rows, preload_slots = self._map_preload() if preloading else (rows[:0], rows[:0])
-        slots = self.row_to_slot[rows]
+        slots = self.row_to_slot[rows].long()
         hit = slots >= 0
         n_miss = int(rows.numel()) - int(hit.sum())
         overflow_rows: Optional[torch.Tensor] = None
@@ -345,7 +350,7 @@ class TieredTable:
             writeback_slots, writeback_rows = victims[wb], victim_rows[wb]
             self.row_to_slot[victim_rows[occupied]] = -1
             self.slot_to_row[victims] = fill_rows
-            self.row_to_slot[fill_rows] = victims
+            self.row_to_slot[fill_rows] = victims.to(torch.int32)
             # The victim's dirty bit now describes the incoming row, which is clean.
             self.dirty[victims] = False
             slots = slots.clone()
@@ -366,11 +371,12 @@ class TieredTable:
             n_miss = int(fill_rows.numel())
 
         plan = FetchPlan(self, rows, slots, fill_rows, victims, writeback_rows, writeback_slots,
-                         overflow_rows=overflow_rows, preload=bool(preload_rows.numel()))
+                         overflow_rows=overflow_rows, preload=bool(preload_rows.numel()),
+                         num_preloaded=int(preload_rows.numel()))
         plan.num_rows, plan.num_fills, plan.num_writebacks = int(rows.numel()), n_miss, int(writeback_rows.numel())
         st = self.stats
         st.lookups_rows += plan.num_rows
-        st.hits += max(plan.num_rows - n_miss - plan.num_overflow, 0)
+        st.hits += plan.num_hits
         st.rows_fetched += n_miss
         st.rows_written_back += plan.num_writebacks
         st.bytes_moved += plan.bytes_to_move
@@ -440,7 +446,7 @@ class TieredTable:
         if plan.stage == "done":
             return
         if plan.num_fills:
-            mapped = self.row_to_slot[plan.fill_rows] == plan.fill_slots
+            mapped = self.row_to_slot[plan.fill_rows].long() == plan.fill_slots
             rows, slots = plan.fill_rows[mapped], plan.fill_slots[mapped]
             self.row_to_slot[rows] = -1
             self.slot_to_row[slots] = -1
@@ -448,7 +454,7 @@ class TieredTable:
             self.permanent[slots] = False
         if plan.stage == "planned" and plan.num_writebacks:
             self.slot_to_row[plan.writeback_slots] = plan.writeback_rows
-            self.row_to_slot[plan.writeback_rows] = plan.writeback_slots
+            self.row_to_slot[plan.writeback_rows] = plan.writeback_slots.to(torch.int32)
             self.dirty[plan.writeback_slots] = True
         if plan.preload:
             self._preload_pending = True  # the next plan carries the preload again
@@ -561,16 +567,26 @@ class TieredTable:
             # i), as a resident table would: no compulsory misses, no victim search.
             rows = torch.arange(self.num_rows, dtype=torch.int64)
             self.slot_to_row.copy_(rows)
-            self.row_to_slot.copy_(rows)
+            self.row_to_slot.copy_(rows)  # (copy_ converts to int32)
             return rows, rows.clone()
         if self._hot_rows is None or self._hot_rows.numel() == 0:
             return empty, empty
         hot = self._hot_rows
         slots = torch.arange(hot.numel(), dtype=torch.int64)
         self.slot_to_row[slots] = hot
-        self.row_to_slot[hot] = slots
+        self.row_to_slot[hot] = slots.to(torch.int32)
         self.permanent[slots] = True
         return hot, slots
+
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of maps, pins, flags and eviction state (not the cache or the host tier)."""
+        tensors = [self.row_to_slot, self.slot_to_row, self.pins, self.dirty, self.permanent, self.ranking.last_used]
+        if self.ranking.row_freq is not None:
+            tensors.append(self.ranking.row_freq)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def host_tier_bytes(self) -> int:
+        return self.num_rows * self.row_bytes
 
     def resident_rows(self) -> torch.Tensor:
         """Rows currently mapped to a slot."""
@@ -584,7 +600,7 @@ class TieredTable:
         problems = []
         if rows.numel() != torch.unique(rows).numel():
             problems.append("a row is mapped to two slots")
-        if not torch.equal(self.row_to_slot[rows], occ):
+        if not torch.equal(self.row_to_slot[rows].long(), occ):
             problems.append("row_to_slot and slot_to_row disagree")
         if int((self.row_to_slot >= 0).sum()) != occ.numel():
             problems.append("row_to_slot maps rows to empty slots")
