@@ -188,6 +188,10 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         """Fills an empty pipeline: batches 0..k with ids launched, fetches of 0..k-1 issued."""
         if self.batches:
             return
+        # An empty pipeline owns no prefetch: whatever the modules still hold was prefetched
+        # by a pipeline that was dropped (e.g. a new pipeline per epoch); release it.
+        for module in self._find_proactive_modules(self._model):
+            module.abandon_prefetched()
         if not self.enqueue_batch(dataloader_iter):
             return
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..fetch import FetchEngine, Ticket, make_transport
+from ..fetch import FetchEngine, FetchFailedError, Ticket, make_transport
 from ..store import CacheCapacityError, NotPrefetchedError, StoreStateError
 from .embedding_kernel import PlannedGroup, ProactiveEmbeddingBag
 from .validation import InputValidator
@@ -164,8 +164,10 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.prefetch_depth = 0
         self.proactive_stats = ProactiveStats()
         self._consumed: List[BatchFetch] = []
-        # Batches prefetched but not planned yet (their rows did not fit), in arrival order.
+        # Batches prefetched but not planned yet (their rows did not fit), in arrival order,
+        # and batches planned by a prefetch whose lookup has not come yet.
         self._waiting: Deque[Tuple[Any, KJTList]] = deque()
+        self._prefetched: List[BatchFetch] = []
         self._validator = InputValidator(self._embedding_bag_configs)
         # Set by the pipeline for the batch it is running; a forward of such a batch whose
         # fetch is missing is a pipeline bug, not a plain forward.
@@ -292,6 +294,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         fetch: Optional[BatchFetch] = getattr(ctx, "fetch", None)
         if fetch is not None:
             ctx.fetch = None  # type: ignore[attr-defined]
+            self._prefetched = [f for f in self._prefetched if f is not fetch]
             self._consumed = [f for f in self._consumed if not f.released] + [fetch]
             lookup_started = time.perf_counter()
             try:
@@ -319,6 +322,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 return
             self._waiting.popleft()
             ctx.fetch = fetch  # type: ignore[attr-defined]
+            self._prefetched.append(fetch)
 
     def _fetch_at_lookup(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> Optional[BatchFetch]:
         """The fetch of a batch that reaches its lookup without one."""
@@ -421,6 +425,22 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for kernel in self._proactive_kernels:
             kernel.unbind()
         return released
+
+    def abandon_prefetched(self) -> int:
+        """Forgets every prefetched batch whose lookup has not come (a pipeline that was
+        dropped, or reset): their moves complete in order, their pins are released, and
+        batches still waiting are dropped. Returns the batches abandoned."""
+        n = len(self._prefetched) + len(self._waiting)
+        for fetch in self._prefetched:
+            try:
+                self._fetch_engine.wait(fetch.ticket)
+            except FetchFailedError:
+                pass  # rolled back by the engine
+            finally:
+                self._release_fetch(fetch)
+        self._prefetched = []
+        self._waiting.clear()
+        return n
 
     @property
     def fetch_engine(self) -> FetchEngine:
