@@ -39,7 +39,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..fetch import FetchEngine
 from ..store import (
     EvictionPolicy,
-    IdOutOfRangeError,
     InvalidInputError,
     NotPrefetchedError,
     OptimizerConfig,
@@ -153,16 +152,12 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             hot_rows=_group_hot_rows(tables, options),
             segments=_segments(tables),
         )
-        # Per feature (in the group's KJT order): where its table's rows start in the store,
-        # and how many rows the table's shard has (the id limit).
-        starts, rows = [], []
-        for seg, t in zip(self.store.segments, tables):
-            starts += [seg.start] * t.num_features()
-            rows += [t.local_rows] * t.num_features()
-        self._feature_start = torch.tensor(starts, dtype=torch.int64)
-        self._feature_rows = torch.tensor(rows, dtype=torch.int64)
-        self._feature_names = config.feature_names()
-        self._feature_tables = [t.name for t in tables for _ in range(t.num_features())]
+        # Per feature (in the group's KJT order): where its table's rows start in the store.
+        self._feature_start = torch.tensor(
+            [seg.start for seg, t in zip(self.store.segments, tables) for _ in range(t.num_features())],
+            dtype=torch.int64,
+        )
+        self._single_table_at_zero = len(tables) == 1
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
@@ -313,22 +308,17 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         stride = features.stride()
         values = features.values()
         weights = features.weights_or_none()
-        per_feature = features.offsets()[:: max(stride, 1)].diff() if stride else torch.zeros(0, dtype=torch.int64)
-        if per_feature.numel() != self._feature_start.numel():
-            per_feature = torch.tensor(features.length_per_key(), dtype=torch.int64)
+        # Ids were checked against their table's size in the sharded module's input dist,
+        # before bucketisation (where the error can still name the sample), so here they
+        # only need moving into the store's row space; the store refuses rows outside it.
         ids = values.to(torch.int64).cpu()
-        limit = self._feature_rows.repeat_interleave(per_feature.cpu(), output_size=ids.numel())
-        bad = (ids < 0) | (ids >= limit)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            f = int(torch.searchsorted(per_feature.cumsum(0), torch.tensor(i), right=True))
-            raise IdOutOfRangeError(
-                f"feature '{self._feature_names[f]}' (table '{self._feature_tables[f]}'): id {int(ids[i])} "
-                f"is out of range [0, {int(self._feature_rows[f])}) of this rank's shard"
-            )
-        rows = ids + self._feature_start.repeat_interleave(per_feature.cpu(), output_size=ids.numel())
+        if self._single_table_at_zero:
+            rows = ids
+        else:
+            per_feature = torch.tensor(features.length_per_key(), dtype=torch.int64)
+            rows = ids + self._feature_start.repeat_interleave(per_feature, output_size=ids.numel())
         batch = plan_table_batch(self.store, rows, features.offsets(), self._mode,
-                                 self.prefetch_depth or None, overflow=overflow)
+                                 self.prefetch_depth or None, overflow=overflow, checked=True)
         if batch.plan.num_overflow and not self._warned_overflow:
             self._warned_overflow = True
             warnings.warn(

@@ -9,7 +9,7 @@ gradient ever flows to a weight tensor: the update is "fused", like FBGEMM's TBE
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -24,24 +24,30 @@ class TableBatch:
     """One table's share of a batch: bags of values, and the plan that made them resident.
 
     ``offsets`` has ``num_bags + 1`` entries; ``inverse[i]`` indexes ``plan.rows`` for value ``i``.
+    Everything the lookup and its backward need is derived here, once, at plan time.
     """
 
     plan: FetchPlan
     inverse: torch.Tensor
     offsets: torch.Tensor
     mode: str = "sum"
-    # Derived once per batch at plan time (prefetch), not in forward/backward.
-    slot_ids: Optional[torch.Tensor] = None
-    bag_of_value: Optional[torch.Tensor] = None
-    lengths: Optional[torch.Tensor] = None
+    slot_ids: torch.Tensor = field(init=False)  # per value: where its row is at lookup
+    # Per value, its bag; None when every bag holds exactly one value (one id per feature,
+    # as in Criteo): then a bag *is* its value, pooling is a gather and no value needs
+    # mapping to its bag.
+    bag_of_value: Optional[torch.Tensor] = field(init=False)
+    lengths: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.slot_ids is None:
-            self.slot_ids = self.plan.device_slots()[self.inverse]
-            self.lengths = self.offsets[1:] - self.offsets[:-1]
+        self.slot_ids = self.plan.device_slots().index_select(0, self.inverse)
+        self.lengths = self.offsets[1:] - self.offsets[:-1]
+        num_values = int(self.inverse.numel())
+        if num_values == self.lengths.numel() and bool((self.lengths == 1).all()):
+            self.bag_of_value = None
+        else:
             self.bag_of_value = torch.repeat_interleave(
                 torch.arange(self.lengths.numel(), device=self.offsets.device), self.lengths,
-                output_size=int(self.inverse.numel()),
+                output_size=num_values,
             )
 
     @property
@@ -60,40 +66,59 @@ def plan_table_batch(
     mode: str = "sum",
     depth_hint: Optional[int] = None,
     overflow: bool = False,
+    checked: bool = False,
 ) -> TableBatch:
     """Validates a bag batch, plans its rows on ``table`` and returns the lookup recipe
-    (``overflow``: see ``TieredTable.plan``)."""
+    (``overflow``: see ``TieredTable.plan``). ``checked``: ``values``/``offsets`` come from a
+    ``KeyedJaggedTensor`` that was already validated (non-negative lengths, integer ids),
+    so the bag checks are skipped; the store still refuses rows outside its row space."""
+    if not checked:
+        _check_bags(table.name, values, offsets)
+    if mode not in ("sum", "mean"):
+        raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
+    rows, inverse = unique_rows(values)
+    # unique_rows' output is unique and sorted by construction: no need to check it again.
+    plan = table._plan(rows, depth_hint, overflow)  # noqa: SLF001 - same package
+    device = table.device
+    if inverse.device != device:
+        inverse = inverse.to(device)
+    if offsets.device != device or offsets.dtype != torch.int64:
+        offsets = offsets.to(device=device, dtype=torch.int64)
+    return TableBatch(plan, inverse, offsets, mode)
+
+
+def _check_bags(name: str, values: torch.Tensor, offsets: torch.Tensor) -> None:
     if values.dim() != 1 or offsets.dim() != 1 or offsets.numel() < 1:
         raise InvalidInputError(
-            f"table '{table.name}': values and offsets must be 1-D (got {tuple(values.shape)} and "
+            f"table '{name}': values and offsets must be 1-D (got {tuple(values.shape)} and "
             f"{tuple(offsets.shape)})"
         )
     if values.is_floating_point():
-        raise InvalidInputError(f"table '{table.name}': ids must be integers, got {values.dtype}")
+        raise InvalidInputError(f"table '{name}': ids must be integers, got {values.dtype}")
     if int(offsets[-1]) != values.numel() or int(offsets[0]) != 0:
         raise InvalidInputError(
-            f"table '{table.name}': offsets end at {int(offsets[-1])} but there are {values.numel()} ids"
+            f"table '{name}': offsets end at {int(offsets[-1])} but there are {values.numel()} ids"
         )
     if offsets.numel() > 1 and not bool((offsets[1:] >= offsets[:-1]).all()):
         bag = int(torch.nonzero(offsets[1:] < offsets[:-1])[0])
         raise InvalidInputError(
-            f"table '{table.name}': offsets decrease at bag {bag} ({int(offsets[bag])} -> "
+            f"table '{name}': offsets decrease at bag {bag} ({int(offsets[bag])} -> "
             f"{int(offsets[bag + 1])}); offsets must be non-decreasing"
         )
-    if mode not in ("sum", "mean"):
-        raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
-    rows, inverse = unique_rows(values)
-    plan = table.plan(rows, depth_hint=depth_hint, overflow=overflow)
-    device = table.device
-    return TableBatch(plan, inverse.to(device), offsets.to(device=device, dtype=torch.int64), mode)
 
 
 def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
     # The cache (plus, if the plan overflowed, the host rows that did not fit) in one
     # weight: the pooled sums run in value order whichever tier holds a row, so results
     # are bit-identical for any cache size and depth.
+    weight = batch.plan.lookup_weight()
+    if batch.bag_of_value is None:
+        # One value per bag: its sum and its mean are the row itself (exactly), and a
+        # gather is several times cheaper than embedding_bag.
+        pooled = weight.index_select(0, batch.slot_ids)
+        return pooled if per_sample_weights is None else pooled * per_sample_weights.unsqueeze(1)
     return F.embedding_bag(
-        batch.slot_ids, batch.plan.lookup_weight(), batch.offsets, mode=batch.mode,
+        batch.slot_ids, weight, batch.offsets, mode=batch.mode,
         per_sample_weights=per_sample_weights, include_last_offset=True,
     )
 
@@ -101,13 +126,16 @@ def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torc
 def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Tensor], want_psw_grad: bool):
     """Gradient per unique row of ``batch`` (summed in row order), and of the sample weights."""
     table = batch.table
-    g = grad_out.index_select(0, batch.bag_of_value)
-    if batch.mode == "mean":
-        g = g / batch.lengths[batch.bag_of_value].clamp(min=1).unsqueeze(1).to(g.dtype)
+    if batch.bag_of_value is None:
+        g = grad_out  # one value per bag (a mean over one value divides by 1)
+    else:
+        g = grad_out.index_select(0, batch.bag_of_value)
+        if batch.mode == "mean":
+            g = g / batch.lengths[batch.bag_of_value].clamp(min=1).unsqueeze(1).to(g.dtype)
     grad_psw = None
     if psw is not None:
         if want_psw_grad:
-            grad_psw = (g * batch.plan.lookup_weight()[batch.slot_ids]).sum(dim=1)
+            grad_psw = (g * batch.plan.lookup_weight().index_select(0, batch.slot_ids)).sum(dim=1)
         g = g * psw.unsqueeze(1)
     row_grads = torch.zeros(batch.plan.num_rows, table.dim, dtype=g.dtype, device=g.device)
     row_grads.index_add_(0, batch.inverse, g)

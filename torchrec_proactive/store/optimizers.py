@@ -129,3 +129,53 @@ def apply_row_update(
         if cfg.weight_decay:
             update = update + cfg.weight_decay * weight
         weight.sub_(lr * update)
+
+
+@torch.no_grad()
+def update_rows(
+    cfg: OptimizerConfig,
+    weight: torch.Tensor,
+    state: Dict[str, torch.Tensor],
+    index: torch.Tensor,
+    grad: torch.Tensor,
+    step: int,
+) -> None:
+    """Updates rows ``index`` (unique) of the tables ``weight``/``state`` in place with ``grad``.
+
+    The same rules as :func:`apply_row_update`. Where a rule does not read the weight
+    (no weight decay), the weight change is added in one ``index_add_`` instead of a
+    gather, an update and a scatter.
+    """
+    if cfg.weight_decay:  # the rules read the weight: gather, update, scatter
+        rows = weight.index_select(0, index)
+        gathered = {k: v.index_select(0, index) for k, v in state.items()}
+        apply_row_update(cfg, rows, grad, gathered, step)
+        weight.index_copy_(0, index, rows)
+        for k, v in gathered.items():
+            state[k].index_copy_(0, index, v)
+        return
+    # The change is computed with the sign folded into the learning rate (exact: negation
+    # is), so that index_add_ runs without ``alpha``, its fast path.
+    neg_lr = -cfg.learning_rate
+    if cfg.optim is OptimType.EXACT_SGD:
+        weight.index_add_(0, index, grad * neg_lr)
+        return
+    gathered = {k: v.index_select(0, index) for k, v in state.items()}
+    if cfg.optim is OptimType.EXACT_ADAGRAD:
+        m = gathered["momentum1"]
+        m.add_(grad * grad)
+        change = neg_lr * grad / (m.sqrt() + cfg.eps)
+    elif cfg.optim is OptimType.EXACT_ROWWISE_ADAGRAD:
+        m = gathered["momentum1"]
+        m.add_((grad * grad).mean(dim=1))
+        change = (neg_lr / (m.sqrt() + cfg.eps)).unsqueeze(1) * grad
+    else:
+        m1, m2 = gathered["momentum1"], gathered["momentum2"]
+        m1.mul_(cfg.beta1).add_(grad, alpha=1.0 - cfg.beta1)
+        m2.mul_(cfg.beta2).addcmul_(grad, grad, value=1.0 - cfg.beta2)
+        m1_hat = m1 / (1.0 - cfg.beta1**step)
+        m2_hat = m2 / (1.0 - cfg.beta2**step)
+        change = neg_lr * (m1_hat / (m2_hat.sqrt() + cfg.eps))
+    weight.index_add_(0, index, change)
+    for k, v in gathered.items():
+        state[k].index_copy_(0, index, v)

@@ -39,7 +39,7 @@ import torch
 
 from .errors import CacheCapacityError, IdOutOfRangeError, InvalidInputError, StoreStateError
 from .eviction import EvictionPolicy, SlotRanking
-from .optimizers import OptimizerConfig, apply_row_update
+from .optimizers import OptimizerConfig, update_rows
 
 
 @dataclass
@@ -295,14 +295,13 @@ class TieredTable:
                 f"table '{self.name}': rows to plan must be a 1-D int64 CPU tensor, got "
                 f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}"
             )
-        if rows.numel() > 1:
+        if rows.numel() > 1 and not bool(torch.all(rows[1:] > rows[:-1])):
             steps = rows[1:] - rows[:-1]
-            if not bool((steps > 0).all()):
-                i = int(torch.nonzero(steps <= 0)[0])
-                raise InvalidInputError(
-                    f"table '{self.name}': rows to plan must be unique and sorted; row {int(rows[i + 1])} "
-                    f"follows row {int(rows[i])} at position {i + 1} (use unique_rows())"
-                )
+            i = int(torch.nonzero(steps <= 0)[0])
+            raise InvalidInputError(
+                f"table '{self.name}': rows to plan must be unique and sorted; row {int(rows[i + 1])} "
+                f"follows row {int(rows[i])} at position {i + 1} (use unique_rows())"
+            )
 
     def plan(self, rows: torch.Tensor, depth_hint: Optional[int] = None, overflow: bool = False) -> FetchPlan:
         """Plans the residency of ``rows`` (unique, sorted, int64, on the host) and pins them.
@@ -314,56 +313,70 @@ class TieredTable:
         fetch those rows into the cache before this batch's update: the caller plans
         overflow batches only when no later batch is planned. ``depth_hint`` only improves
         the error message.
+
+        Cost: a handful of tensor ops over the batch's rows and over a victim window of a
+        few times its misses (see ``SlotRanking``), never over the whole cache while the
+        window finds enough evictable slots.
         """
         self._check_plan_rows(rows)
-        self.validate_rows(rows)
+        return self._plan(rows, depth_hint, overflow)
+
+    def _plan(self, rows: torch.Tensor, depth_hint: Optional[int], overflow: bool) -> FetchPlan:
+        """``plan`` for rows that are unique and sorted by construction (``unique_rows``)."""
+        # Sorted: the ends are the extremes.
+        if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= self.num_rows):
+            self.validate_rows(rows)
         preloading = self._preload_pending
         preload_rows, preload_slots = self._map_preload() if preloading else (rows[:0], rows[:0])
-        slots = self.row_to_slot[rows].long()
-        hit = slots >= 0
-        n_miss = int(rows.numel()) - int(hit.sum())
+        num_rows = int(rows.numel())
+        slots = self.row_to_slot.index_select(0, rows).long()
+        tracked = not self.holds_every_row  # (a cache holding every row never evicts: pins protect nothing)
         overflow_rows: Optional[torch.Tensor] = None
+        if tracked:
+            # Pin the batch's hits first: the victim search then cannot choose them.
+            hit_slots = slots[slots >= 0]
+            self._add_pins(hit_slots, 1)
+            n_miss = num_rows - int(hit_slots.numel())
+        else:
+            n_miss = 0
         if n_miss == 0:  # steady state of a warm cache: no victims to look for
             fill_rows = victims = writeback_rows = writeback_slots = rows[:0]
         else:
-            miss = ~hit
+            miss = slots < 0
             fill_rows = rows[miss]
-            eligible = (self.pins == 0) & ~self.permanent
-            eligible[slots[hit]] = False  # the batch's own hits may not be evicted either
-            n_free = int(eligible.sum())
-            if n_miss > n_free:
+            victims = self.ranking.pick_victims(n_miss, self.pins, self.permanent, self.slot_to_row)
+            n_free = int(victims.numel())
+            if n_free < n_miss:
                 if not overflow:
+                    self._add_pins(hit_slots, -1)
                     if preloading:  # leave no trace: the preload waits for a plan that moves it
                         self._unmap_preload(preload_rows, preload_slots)
-                    self._raise_capacity(int(rows.numel()), n_miss, n_free, depth_hint)
+                    self._raise_capacity(num_rows, n_miss, n_free, depth_hint)
                 # The last misses (in row order, so the choice is deterministic) overflow.
                 overflow_rows, fill_rows = fill_rows[n_free:], fill_rows[:n_free]
                 miss_pos = torch.nonzero(miss).flatten()
                 miss = torch.zeros_like(miss)
                 miss[miss_pos[:n_free]] = True
                 n_miss = n_free
-
-            victims = self.ranking.pick_victims(n_miss, eligible, self.slot_to_row)
-            victim_rows = self.slot_to_row[victims]
+            victim_rows = self.slot_to_row.index_select(0, victims)
             occupied = victim_rows >= 0
-            wb = occupied & self.dirty[victims]
+            wb = occupied & self.dirty.index_select(0, victims)
             writeback_slots, writeback_rows = victims[wb], victim_rows[wb]
-            self.row_to_slot[victim_rows[occupied]] = -1
-            self.slot_to_row[victims] = fill_rows
-            self.row_to_slot[fill_rows] = victims.to(torch.int32)
+            self.row_to_slot.index_fill_(0, victim_rows[occupied], -1)
+            self.slot_to_row.index_copy_(0, victims, fill_rows)
+            self.row_to_slot.index_copy_(0, fill_rows, victims.to(torch.int32))
             # The victim's dirty bit now describes the incoming row, which is clean.
-            self.dirty[victims] = False
-            slots = slots.clone()
+            self.dirty.index_fill_(0, victims, False)
+            self._add_pins(victims, 1)
             slots[miss] = victims
             if overflow_rows is not None:
                 slots[slots < 0] = self.num_slots + torch.arange(overflow_rows.numel(), dtype=torch.int64)
-        if not self.holds_every_row:
-            # (A cache that holds every row never evicts: pins and recency would protect nothing.)
+        if tracked:
             cached = slots if overflow_rows is None else slots[slots < self.num_slots]
-            self._add_pins(cached, 1)
             self.ranking.touch(cached, rows if overflow_rows is None else self.slot_to_row[cached])
         self._in_flight += 1
-        if preload_rows.numel():
+        n_preload = int(preload_rows.numel())
+        if n_preload:
             # Rows resident from the start travel with the first batch's fills, in the same
             # ticket, so even the preload follows the engine's one order.
             fill_rows = torch.cat([preload_rows, fill_rows])
@@ -371,9 +384,8 @@ class TieredTable:
             n_miss = int(fill_rows.numel())
 
         plan = FetchPlan(self, rows, slots, fill_rows, victims, writeback_rows, writeback_slots,
-                         overflow_rows=overflow_rows, preload=bool(preload_rows.numel()),
-                         num_preloaded=int(preload_rows.numel()))
-        plan.num_rows, plan.num_fills, plan.num_writebacks = int(rows.numel()), n_miss, int(writeback_rows.numel())
+                         overflow_rows=overflow_rows, preload=bool(n_preload), num_preloaded=n_preload,
+                         num_rows=num_rows, num_fills=n_miss, num_writebacks=int(writeback_rows.numel()))
         st = self.stats
         st.lookups_rows += plan.num_rows
         st.hits += plan.num_hits
@@ -423,15 +435,15 @@ class TieredTable:
         """
         if plan.num_writebacks:
             wb_slots = plan.writeback_slots.to(self.device)
-            self.host_weight[plan.writeback_rows] = self.cache_weight[wb_slots].to(self.host_weight.device)
+            _move(self.cache_weight, wb_slots, self.host_weight, plan.writeback_rows)
             for k, host in self.host_state.items():
-                host[plan.writeback_rows] = self.cache_state[k][wb_slots].to(host.device)
+                _move(self.cache_state[k], wb_slots, host, plan.writeback_rows)
         plan.stage = "written_back"
         if plan.num_fills:
             fill_slots = plan.fill_slots.to(self.device)
-            self.cache_weight[fill_slots] = self.host_weight[plan.fill_rows].to(self.device)
+            _move(self.host_weight, plan.fill_rows, self.cache_weight, fill_slots)
             for k, host in self.host_state.items():
-                self.cache_state[k][fill_slots] = host[plan.fill_rows].to(self.device)
+                _move(host, plan.fill_rows, self.cache_state[k], fill_slots)
         plan.stage = "done"
 
     def rollback(self, plan: FetchPlan) -> None:
@@ -496,7 +508,7 @@ class TieredTable:
         step = int(self.steps)
         if not plan.num_overflow:
             self._update_cache(plan.device_slots(), row_grads, step)
-            self.dirty[plan.slots] = True
+            self.dirty.index_fill_(0, plan.slots, True)
         else:
             in_cache = plan.slots < self.num_slots
             self._update_cache(plan.slots[in_cache].to(self.device), row_grads[in_cache.to(row_grads.device)], step)
@@ -506,21 +518,13 @@ class TieredTable:
         self.release(plan)
 
     def _update_cache(self, slots: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        weight = self.cache_weight.index_select(0, slots)
-        state = {k: v.index_select(0, slots) for k, v in self.cache_state.items()}
-        apply_row_update(self.optimizer, weight, grads.to(weight.dtype), state, step)
-        self.cache_weight.index_copy_(0, slots, weight)
-        for k, v in state.items():
-            self.cache_state[k].index_copy_(0, slots, v)
+        update_rows(self.optimizer, self.cache_weight, self.cache_state, slots,
+                    grads if grads.dtype == self.cache_weight.dtype else grads.to(self.cache_weight.dtype), step)
 
     def _update_host(self, rows: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         # Overflow rows live only in the host tier until this update: the same rule, there.
-        weight = self.host_weight.index_select(0, rows)
-        state = {k: v.index_select(0, rows) for k, v in self.host_state.items()}
-        apply_row_update(self.optimizer, weight, grads.to(device=weight.device, dtype=weight.dtype), state, step)
-        self.host_weight.index_copy_(0, rows, weight)
-        for k, v in state.items():
-            self.host_state[k].index_copy_(0, rows, v)
+        update_rows(self.optimizer, self.host_weight, self.host_state, rows,
+                    grads.to(device=self.host_weight.device, dtype=self.host_weight.dtype), step)
 
     def release(self, plan: FetchPlan) -> None:
         """Unpins the plan's slots (idempotent)."""
@@ -618,6 +622,12 @@ class TieredTable:
             f"TieredTable(name={self.name!r}, rows={self.num_rows}, dim={self.dim}, "
             f"slots={self.num_slots}, policy={self.ranking.policy.value}, optim={self.optimizer.optim.value})"
         )
+
+
+def _move(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
+    """``dst[dst_index] = src[src_index]`` across devices (one gather, one copy, one scatter;
+    index_select/index_copy_ are cheaper than advanced indexing)."""
+    dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device))
 
 
 def unique_rows(values: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
