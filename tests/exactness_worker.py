@@ -10,6 +10,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder, ProactiveTrainPipeline
@@ -26,9 +27,9 @@ FUSED = {
 }
 
 
-def _build(sharder, sharding, kernel, tables, seed_state):
+def _build(sharder, sharding, kernel, tables, seed_state, weighted: bool = False):
     torch.manual_seed(0)
-    model = SparseModel(tables)
+    model = SparseModel(tables, weighted=weighted)
     plan = build_plan(model, sharder, sharding, kernel=kernel)
     dmp = shard_model(model, sharder, plan, torch.device("cpu"))
     dmp.load_state_dict(copy.deepcopy(seed_state))  # loading consumes the dict
@@ -113,12 +114,14 @@ def _tiny_slots(tables, all_batches, depth: int) -> Dict[str, int]:
 
 
 def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], depths: List[int],
-           caches: List[str], steps: int = 5, batch_size: int = 16, rows: int = 2000) -> Dict[str, Any]:
+           caches: List[str], steps: int = 5, batch_size: int = 16, rows: int = 2000,
+           one_id_per_bag: bool = False, weighted: bool = False, pooling: str = "sum") -> Dict[str, Any]:
     """Every optimizer x cache size x depth against stock TorchRec (where it runs on CPU)."""
-    tables = make_tables(4, rows=rows, dim=8, shared_feature=True)
+    tables = make_tables(4, rows=rows, dim=8, shared_feature=True, pooling=PoolingType[pooling.upper()])
     torch.manual_seed(123)
-    seed_state = SparseModel(tables).state_dict()
-    all_batches = [[make_batch(tables, batch_size, seed=1000 * r + i, max_len=3) for i in range(steps)]
+    seed_state = SparseModel(tables, weighted=weighted).state_dict()
+    all_batches = [[make_batch(tables, batch_size, seed=1000 * r + i, max_len=3, weighted=weighted,
+                               one_id_per_bag=one_id_per_bag) for i in range(steps)]
                    for r in range(world_size)]
     batches = all_batches[rank]
     report: Dict[str, Any] = {"rank": rank, "runs": {}}
@@ -126,7 +129,8 @@ def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], dep
         fused = FUSED[optimizer]
         ref = None
         if optimizer != "adam":  # FBGEMM's CPU TBE has no Adam: stock TorchRec cannot run it here
-            dmp, opt = _build(EmbeddingBagCollectionSharder(fused_params=dict(fused)), sharding, "fused", tables, seed_state)
+            dmp, opt = _build(EmbeddingBagCollectionSharder(fused_params=dict(fused)), sharding, "fused", tables,
+                              seed_state, weighted)
             ref = (_run(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches), _params(dmp))
         first = None
         for cache in caches:
@@ -141,7 +145,7 @@ def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], dep
                 else:
                     options = {"cache_load_factor": 1.0}
                 sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), debug_checks=True, **options)
-                dmp, opt = _build(sharder, sharding, "fused_uvm_caching", tables, seed_state)
+                dmp, opt = _build(sharder, sharding, "fused_uvm_caching", tables, seed_state, weighted)
                 pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=k)
                 out = _run(pipe, batches)
                 params = _params(dmp)

@@ -42,15 +42,17 @@ class SparseModel(nn.Module):
 
 
 def make_batch(tables: List[EmbeddingBagConfig], batch_size: int, seed: int, max_len: int = 4,
-               zipf: float = 1.2, weighted: bool = False) -> Batch:
-    """Zipf-skewed ids so a small cache sees both hits and misses."""
+               zipf: float = 1.2, weighted: bool = False, one_id_per_bag: bool = False) -> Batch:
+    """Zipf-skewed ids so a small cache sees both hits and misses; bags of 0..max_len ids,
+    or exactly one id per bag (Criteo's shape) with ``one_id_per_bag``."""
     g = torch.Generator().manual_seed(seed)
     keys, lengths, values = [], [], []
     for t in tables:
         ranks = torch.arange(1, t.num_embeddings + 1, dtype=torch.float64)
         probs = ranks.pow(-zipf)
         for f in t.feature_names:
-            l = torch.randint(0, max_len + 1, (batch_size,), generator=g)
+            l = (torch.ones(batch_size, dtype=torch.int64) if one_id_per_bag
+                 else torch.randint(0, max_len + 1, (batch_size,), generator=g))
             v = torch.multinomial(probs, int(l.sum()), replacement=True, generator=g)
             keys.append(f)
             lengths.append(l)

@@ -55,6 +55,21 @@ def test_any_cache_size_and_depth_is_exact_vs_stock(name):
     assert total("1.0/k8", "deferred_batches") == 0 and total("1.0/k8", "overflow_rows") == 0
 
 
+@pytest.mark.parametrize("name,weighted,pooling", [
+    ("table_wise", True, "sum"), ("column_wise", False, "mean"), ("row_wise", True, "sum"),
+    ("table_row_wise", False, "mean"),
+])
+def test_one_id_per_feature_is_exact_vs_stock(name, weighted, pooling):
+    # Criteo's shape: every bag holds one id, so lookups are gathers and the pooled rows are
+    # laid out sample-major directly (row-wise shardings also see empty bags after the
+    # bucketisation, and take the general path).
+    _check_matrix(run_ranks(
+        exactness_worker.matrix, world_size=2, timeout_s=600, sharding=SHARDINGS[name],
+        optimizers=["rowwise_adagrad"], depths=[0, 2, 8], caches=[0.005, 1.0],
+        one_id_per_bag=True, weighted=weighted, pooling=pooling,
+    ), n_runs=3 * 2)
+
+
 def test_every_optimizer_is_exact_across_depths_and_caches():
     results = _check_matrix(run_ranks(
         exactness_worker.matrix, world_size=2, timeout_s=600, sharding="row_wise",

@@ -61,6 +61,9 @@ class PlannedGroup:
     stride: int
     num_values: int
     weights: Optional[torch.Tensor]
+    # The batch's bags were reordered sample-major (one id per bag): the pooled rows are
+    # already TorchRec's [B, sum(dims)] layout and need no transpose.
+    sample_major: bool = False
 
     @property
     def table_batches(self) -> List[TableBatch]:
@@ -158,6 +161,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             dtype=torch.int64,
         )
         self._single_table_at_zero = len(tables) == 1
+        self._num_features = int(self._feature_start.numel())
+        self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
@@ -328,7 +333,22 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"CacheParams.load_factor) avoids it.",
                 stacklevel=2,
             )
-        return PlannedGroup(self, batch, stride, int(values.numel()), weights)
+        sample_major = batch.bag_of_value is None and self._num_features > 1 and stride > 0
+        if sample_major:
+            order = self._sample_major_order(stride)
+            batch.reorder_bags(order)
+            if weights is not None:
+                weights = weights.index_select(0, order.to(weights.device))
+        return PlannedGroup(self, batch, stride, int(values.numel()), weights, sample_major)
+
+    def _sample_major_order(self, stride: int) -> torch.Tensor:
+        """Value ``f * B + b`` (TorchRec's feature-major KJT order) goes to row ``b * F + f``."""
+        order = self._orders.get(stride)
+        if order is None:
+            order = torch.arange(self._num_features * stride, device=self._device)
+            order = order.view(self._num_features, stride).t().reshape(-1)
+            self._orders[stride] = order
+        return order
 
     def unplan(self, planned: PlannedGroup) -> None:
         """Undoes a plan whose fetch was never issued (nothing moved yet): bookkeeping back,
@@ -367,6 +387,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # and releases its pins at once, with or without torch.no_grad().
         pooled = pooled_lookup_group([planned.batch], self._anchor, [planned.weights], train=self.training)[0]
         stride = planned.stride
+        if planned.sample_major:
+            return pooled.view(stride, -1)
         # [features * B, dim] -> TorchRec's [B, sum(dims)], features side by side.
         return pooled.view(-1, stride, pooled.shape[1]).transpose(0, 1).reshape(stride, -1)
 

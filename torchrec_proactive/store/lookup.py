@@ -50,6 +50,15 @@ class TableBatch:
                 output_size=num_values,
             )
 
+    def reorder_bags(self, order: torch.Tensor) -> None:
+        """Makes bag ``order[i]`` the ``i``-th output row. Only for one value per bag (a bag
+        is its value), so per-sample weights must be reordered the same way by the caller.
+        The sums per row then run in the new order: deterministic, whatever the cache."""
+        if self.bag_of_value is not None:
+            raise InvalidInputError(f"table '{self.table.name}': only one-value bags can be reordered")
+        self.slot_ids = self.slot_ids.index_select(0, order)
+        self.inverse = self.inverse.index_select(0, order)
+
     @property
     def table(self) -> TieredTable:
         return self.plan.table
