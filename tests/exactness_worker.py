@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -147,12 +148,15 @@ def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], dep
                 sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), debug_checks=True, **options)
                 dmp, opt = _build(sharder, sharding, "fused_uvm_caching", tables, seed_state, weighted)
                 pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=k)
-                out = _run(pipe, batches)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out = _run(pipe, batches)
                 params = _params(dmp)
                 dmp.module.ebc.check_invariants(expect_drained=True)
                 stats = pipe.stats()
                 run = {"n_out": len(out), "hit_rate": stats.get("hit_rate", 1.0),
-                       "deferred_batches": stats.get("deferred_batches", 0), "overflow_rows": stats.get("overflow_rows", 0)}
+                       "deferred_batches": stats.get("deferred_batches", 0), "overflow_rows": stats.get("overflow_rows", 0),
+                       "cache_warnings": [str(w.message) for w in caught if "device cache" in str(w.message)]}
                 if first is None:
                     first = (out, params)
                 run["bitwise_equal_to_first"] = all(torch.equal(a, b) for a, b in zip(out, first[0])) and all(

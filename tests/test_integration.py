@@ -54,6 +54,16 @@ def test_any_cache_size_and_depth_is_exact_vs_stock(name):
     assert total("0.005/k8", "deferred_batches") > 0
     assert total("1.0/k8", "deferred_batches") == 0 and total("1.0/k8", "overflow_rows") == 0
 
+    # each is said once per module, with the cache size that would avoid it
+    def warnings_of(run: str) -> list:
+        return [w for res in results for w in res["runs"][f"rowwise_adagrad/{run}"]["cache_warnings"]]
+
+    waits = [w for w in warnings_of("0.005/k8") if "fetch waits" in w]
+    assert 1 <= len(waits) <= 2 and "slots are needed" in waits[0], warnings_of("0.005/k8")
+    served = [w for w in warnings_of("0.005/k0") if "served from the host tier" in w]
+    assert served and "A cache of at least" in served[0], warnings_of("0.005/k0")
+    assert warnings_of("1.0/k8") == [] and warnings_of("1.0/k0") == []
+
 
 @pytest.mark.parametrize("name,weighted,pooling", [
     ("table_wise", True, "sum"), ("column_wise", False, "mean"), ("row_wise", True, "sum"),

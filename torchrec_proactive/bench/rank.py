@@ -42,7 +42,7 @@ class BenchSettings:
     cache_load_factor: float = 0.05
     depths: Tuple[int, ...] = (1, 2, 4, 8)
     warmup_steps: int = 8
-    measure_steps: int = 24
+    measure_steps: int = 64  # per round; fewer leave ratios within +-10% noise on 2 cores
     link_bandwidth_gbps: Optional[float] = None  # None: calibrate to target_fetch_fraction
     link_latency_us: float = 100.0
     target_fetch_fraction: float = 0.6  # cold fetch time / resident step time

@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--depths", type=comma_list(int_at_least(1), "integers >= 1"), default="1,2,4,8",
                    metavar="K,...", help="proactive prefetch depths (reactive, depth 0, always runs)")
     m.add_argument("--warmup", type=int_at_least(1), default=8, metavar="N", help="warm-up steps per run, not timed")
-    m.add_argument("--steps", type=int_at_least(1), default=24, metavar="N", help="timed steps per run")
+    m.add_argument("--steps", type=int_at_least(1), default=64, metavar="N", help="timed steps per run")
     m.add_argument("--rounds", type=int_at_least(1), default=None, metavar="N",
                    help="times each configuration runs, in rotated order; the spread across rounds is reported "
                         "(default: 3, 1 with --quick)")

@@ -320,8 +320,14 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if self._single_table_at_zero:
             rows = ids
         else:
-            per_feature = torch.tensor(features.length_per_key(), dtype=torch.int64)
-            rows = ids + self._feature_start.repeat_interleave(per_feature, output_size=ids.numel())
+            per_feature = features.length_per_key()
+            if stride > 0 and all(n == stride for n in per_feature):
+                # Every feature has `stride` ids (one per bag, as in Criteo): feature f's ids
+                # are the f-th block, so one broadcast add moves them to their table.
+                rows = (ids.view(self._num_features, stride) + self._feature_start.view(-1, 1)).view(-1)
+            else:
+                rows = ids + self._feature_start.repeat_interleave(
+                    torch.tensor(per_feature, dtype=torch.int64), output_size=ids.numel())
         batch = plan_table_batch(self.store, rows, features.offsets(), self._mode,
                                  self.prefetch_depth or None, overflow=overflow, checked=True)
         if batch.plan.num_overflow and not self._warned_overflow:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
@@ -169,6 +170,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._waiting: Deque[Tuple[Any, KJTList]] = deque()
         self._prefetched: List[BatchFetch] = []
         self._validator = InputValidator(self._embedding_bag_configs)
+        self._warned_deferral = False
+        self._last_capacity_error = ""
         # Set by the pipeline for the batch it is running; a forward of such a batch whose
         # fetch is missing is a pipeline bug, not a plain forward.
         # TorchRec's own pre-load hook purges the kernels (flush, then drop: see the kernel);
@@ -319,6 +322,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 if not getattr(ctx, "deferred", False):
                     ctx.deferred = True  # type: ignore[attr-defined]
                     self.proactive_stats.deferred_batches += 1
+                    self._warn_deferral_once(getattr(ctx, "batch_index", None))
                 return
             self._waiting.popleft()
             ctx.fetch = fetch  # type: ignore[attr-defined]
@@ -367,6 +371,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for group in reversed(groups):
                 group.kernel.unplan(group)
             if isinstance(e, CacheCapacityError) and not overflow:
+                self._last_capacity_error = str(e)
                 return None
             raise
         plans = [p for g in groups for p in g.plans]
@@ -378,6 +383,18 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 group.kernel._release(group)
             raise
         return BatchFetch(ticket, groups, index)
+
+    def _warn_deferral_once(self, index: Optional[int]) -> None:
+        if self._warned_deferral:
+            return
+        self._warned_deferral = True
+        warnings.warn(
+            f"{self._module_fqn or 'embedding module'}: the rows of batch {index} do not fit in the device cache "
+            f"beside those of the batches in flight, so its fetch waits until their updates release them "
+            f"(its effective prefetch depth drops; training stays exact; counted in deferred_batches). "
+            f"{self._last_capacity_error}",
+            stacklevel=3,
+        )
 
     @staticmethod
     def _release_fetch(fetch: BatchFetch) -> None:

@@ -334,7 +334,8 @@ class TieredTable:
         overflow_rows: Optional[torch.Tensor] = None
         if tracked:
             # Pin the batch's hits first: the victim search then cannot choose them.
-            hit_slots = slots[slots >= 0]
+            miss = slots < 0
+            hit_slots = slots[~miss]
             self._add_pins(hit_slots, 1)
             n_miss = num_rows - int(hit_slots.numel())
         else:
@@ -342,7 +343,6 @@ class TieredTable:
         if n_miss == 0:  # steady state of a warm cache: no victims to look for
             fill_rows = victims = writeback_rows = writeback_slots = rows[:0]
         else:
-            miss = slots < 0
             fill_rows = rows[miss]
             victims = self.ranking.pick_victims(n_miss, self.pins, self.permanent, self.slot_to_row)
             n_free = int(victims.numel())
