@@ -23,6 +23,7 @@ from torchrec_proactive.store import (
     apply_row_update,
     plan_table_batch,
     pooled_lookup,
+    unique_rows,
 )
 
 ROWS, DIM, BAGS, MAX_LEN = 200, 8, 12, 4
@@ -342,3 +343,63 @@ def test_preloaded_rows_count_as_hits_not_misses():
     FetchEngine().run([plan])
     table.release(plan)
     assert table.stats.hit_rate() == 1.0
+
+
+def test_victim_window_falls_back_to_the_whole_cache_and_wraps():
+    from torchrec_proactive.store.eviction import MIN_WINDOW, EvictionPolicy, SlotRanking
+
+    slots = 4 * MIN_WINDOW
+    ranking = SlotRanking(EvictionPolicy.LRU, slots, 10 * slots)
+    pins = torch.zeros(slots, dtype=torch.int32)
+    permanent = torch.zeros(slots, dtype=torch.bool)
+    slot_to_row = torch.arange(slots)
+    # The first window [0, MIN_WINDOW) is pinned but for 3 slots: 10 victims still come
+    # back, from the rest of the cache, and none of them is pinned.
+    pins[:MIN_WINDOW] = 1
+    pins[[5, 7, 9]] = 0
+    victims = ranking.pick_victims(10, pins, permanent, slot_to_row)
+    assert victims.numel() == 10 and int(pins[victims].sum()) == 0
+    assert victims.unique().numel() == 10
+    # Only 4 evictable slots in the whole cache: all of them, and no more.
+    pins.fill_(1)
+    pins[[1, 2000, 3000, slots - 1]] = 0
+    assert sorted(ranking.pick_victims(10, pins, permanent, slot_to_row).tolist()) == [1, 2000, 3000, slots - 1]
+    # The hand moves on by one window per search and wraps around the end of the cache.
+    pins.zero_()
+    ranking = SlotRanking(EvictionPolicy.LRU, slots, 10 * slots)
+    n = 300  # window 4 * 300 = 1200 slots: the fourth window wraps
+    windows = [(0, 1200), (1200, 2400), (2400, 3600)]
+    for lo, hi in windows:
+        v = ranking.pick_victims(n, pins, permanent, slot_to_row)
+        assert v.numel() == n and bool(((v >= lo) & (v < hi)).all()), (lo, hi)
+    v = ranking.pick_victims(n, pins, permanent, slot_to_row)
+    assert v.numel() == n and bool(((v >= 3600) | (v < 1200 - (slots - 3600))).all())
+
+
+def test_sampled_lru_keeps_the_hit_rate_of_exact_lru():
+    import torchrec_proactive.store.eviction as eviction
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.arange(1, 20_001, dtype=torch.float64).pow(-1.05)
+    batches = [torch.multinomial(probs, 512, replacement=True, generator=g) for _ in range(120)]
+
+    def hit_rate() -> float:
+        table = TieredTable("t", torch.zeros(20_000, 4), OptimizerConfig(), num_slots=1000)
+        queue = []
+        for i, values in enumerate(batches):
+            rows, _ = unique_rows(values)
+            if i == 40:
+                table.stats.hits = table.stats.lookups_rows = 0
+            queue.append(table.plan(rows))
+            if len(queue) > 3:
+                table.release(queue.pop(0))
+        return table.stats.hit_rate()
+
+    sampled = hit_rate()
+    old = eviction.MIN_WINDOW
+    eviction.MIN_WINDOW = 10**9  # a window as large as the cache: exact LRU
+    try:
+        exact = hit_rate()
+    finally:
+        eviction.MIN_WINDOW = old
+    assert 0.2 < exact < 0.95 and sampled >= exact - 0.02, (sampled, exact)
