@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -90,6 +90,40 @@ class OptimizerConfig:
         return {"momentum1": (dim,), "momentum2": (dim,)}
 
 
+def _row_change(
+    cfg: OptimizerConfig,
+    grad: torch.Tensor,
+    state: Dict[str, torch.Tensor],
+    step: int,
+    weight: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The change to add to the rows (``state`` rows are updated in place). ``weight`` is read
+    only with weight decay. The sign is folded into the learning rate (negation is exact), so
+    callers add the change: one ``index_add_`` on its fast path, without ``alpha``."""
+    neg_lr = -cfg.learning_rate
+    if cfg.optim is not OptimType.ADAM and cfg.weight_decay:
+        grad = grad + cfg.weight_decay * weight
+    if cfg.optim is OptimType.EXACT_SGD:
+        return grad * neg_lr
+    if cfg.optim is OptimType.EXACT_ADAGRAD:
+        m = state["momentum1"]
+        m.add_(grad * grad)
+        return neg_lr * grad / (m.sqrt() + cfg.eps)
+    if cfg.optim is OptimType.EXACT_ROWWISE_ADAGRAD:
+        m = state["momentum1"]
+        m.add_((grad * grad).mean(dim=1))
+        return (neg_lr / (m.sqrt() + cfg.eps)).unsqueeze(1) * grad
+    m1, m2 = state["momentum1"], state["momentum2"]
+    m1.mul_(cfg.beta1).add_(grad, alpha=1.0 - cfg.beta1)
+    m2.mul_(cfg.beta2).addcmul_(grad, grad, value=1.0 - cfg.beta2)
+    m1_hat = m1 / (1.0 - cfg.beta1**step)
+    m2_hat = m2 / (1.0 - cfg.beta2**step)
+    update = m1_hat / (m2_hat.sqrt() + cfg.eps)
+    if cfg.weight_decay:
+        update = update + cfg.weight_decay * weight
+    return neg_lr * update
+
+
 @torch.no_grad()
 def apply_row_update(
     cfg: OptimizerConfig,
@@ -106,29 +140,7 @@ def apply_row_update(
         state: optimizer state rows, first dimension ``n``.
         step: 1-based count of optimizer steps taken on this table (Adam's bias correction).
     """
-    lr = cfg.learning_rate
-    if cfg.optim is not OptimType.ADAM and cfg.weight_decay:
-        grad = grad + cfg.weight_decay * weight
-    if cfg.optim is OptimType.EXACT_SGD:
-        weight.add_(grad, alpha=-lr)
-    elif cfg.optim is OptimType.EXACT_ADAGRAD:
-        m = state["momentum1"]
-        m.add_(grad * grad)
-        weight.sub_(lr * grad / (m.sqrt() + cfg.eps))
-    elif cfg.optim is OptimType.EXACT_ROWWISE_ADAGRAD:
-        m = state["momentum1"]
-        m.add_((grad * grad).mean(dim=1))
-        weight.sub_((lr / (m.sqrt() + cfg.eps)).unsqueeze(1) * grad)
-    else:
-        m1, m2 = state["momentum1"], state["momentum2"]
-        m1.mul_(cfg.beta1).add_(grad, alpha=1.0 - cfg.beta1)
-        m2.mul_(cfg.beta2).addcmul_(grad, grad, value=1.0 - cfg.beta2)
-        m1_hat = m1 / (1.0 - cfg.beta1**step)
-        m2_hat = m2 / (1.0 - cfg.beta2**step)
-        update = m1_hat / (m2_hat.sqrt() + cfg.eps)
-        if cfg.weight_decay:
-            update = update + cfg.weight_decay * weight
-        weight.sub_(lr * update)
+    weight.add_(_row_change(cfg, grad, state, step, weight))
 
 
 @torch.no_grad()
@@ -140,42 +152,11 @@ def update_rows(
     grad: torch.Tensor,
     step: int,
 ) -> None:
-    """Updates rows ``index`` (unique) of the tables ``weight``/``state`` in place with ``grad``.
-
-    The same rules as :func:`apply_row_update`. Where a rule does not read the weight
-    (no weight decay), the weight change is added in one ``index_add_`` instead of a
-    gather, an update and a scatter.
-    """
-    if cfg.weight_decay:  # the rules read the weight: gather, update, scatter
-        rows = weight.index_select(0, index)
-        gathered = {k: v.index_select(0, index) for k, v in state.items()}
-        apply_row_update(cfg, rows, grad, gathered, step)
-        weight.index_copy_(0, index, rows)
-        for k, v in gathered.items():
-            state[k].index_copy_(0, index, v)
-        return
-    # The change is computed with the sign folded into the learning rate (exact: negation
-    # is), so that index_add_ runs without ``alpha``, its fast path.
-    neg_lr = -cfg.learning_rate
-    if cfg.optim is OptimType.EXACT_SGD:
-        weight.index_add_(0, index, grad * neg_lr)
-        return
+    """Updates rows ``index`` (unique) of the tables ``weight``/``state`` in place with ``grad``:
+    the rule of :func:`apply_row_update`, with the weight change added by one ``index_add_``
+    (the rows are gathered only when weight decay reads them)."""
     gathered = {k: v.index_select(0, index) for k, v in state.items()}
-    if cfg.optim is OptimType.EXACT_ADAGRAD:
-        m = gathered["momentum1"]
-        m.add_(grad * grad)
-        change = neg_lr * grad / (m.sqrt() + cfg.eps)
-    elif cfg.optim is OptimType.EXACT_ROWWISE_ADAGRAD:
-        m = gathered["momentum1"]
-        m.add_((grad * grad).mean(dim=1))
-        change = (neg_lr / (m.sqrt() + cfg.eps)).unsqueeze(1) * grad
-    else:
-        m1, m2 = gathered["momentum1"], gathered["momentum2"]
-        m1.mul_(cfg.beta1).add_(grad, alpha=1.0 - cfg.beta1)
-        m2.mul_(cfg.beta2).addcmul_(grad, grad, value=1.0 - cfg.beta2)
-        m1_hat = m1 / (1.0 - cfg.beta1**step)
-        m2_hat = m2 / (1.0 - cfg.beta2**step)
-        change = neg_lr * (m1_hat / (m2_hat.sqrt() + cfg.eps))
-    weight.index_add_(0, index, change)
+    rows = weight.index_select(0, index) if cfg.weight_decay else None
+    weight.index_add_(0, index, _row_change(cfg, grad, gathered, step, rows))
     for k, v in gathered.items():
         state[k].index_copy_(0, index, v)
