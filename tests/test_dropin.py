@@ -337,3 +337,20 @@ def test_9h_dropped_engine_leaves_no_fetch_thread():
         deadline.wait(0.1)
     assert len(live()) == before, "a dropped FetchEngine keeps its proactive-fetch thread alive"
 
+
+
+def test_planner_is_offered_the_cached_kernel_only_for_sharding_types_it_supports():
+    # Found by a user trial: the planner was offered fused_uvm_caching for table_column_wise,
+    # planned it, and DMP then refused the plan.
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingType
+
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder
+
+    ours, stock = ProactiveEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()
+    supported = {"table_wise", "row_wise", "column_wise", "table_row_wise"}
+    for device in ("cpu", "cuda"):
+        for st in ShardingType:
+            kernels = ours.compute_kernels(st.value, device)
+            assert set(stock.compute_kernels(st.value, device)) - {"fused_uvm_caching"} <= set(kernels), (st, device)
+            assert ("fused_uvm_caching" in kernels) == (st.value in supported), (st, device, kernels)

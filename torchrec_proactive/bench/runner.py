@@ -222,20 +222,22 @@ def format_table(report: Dict[str, Any]) -> str:
         f"{link['latency_us']:.0f} us latency"
         + (f" - calibrated so a cold fetch costs {link['target_fetch_fraction']:.0%} of a resident step"
            if link.get("calibrated") else ""),
-        f"{'config':<12}{'depth':>6}{'samples/s':>11}{'±%':>6}{'rounds':>7}{'step ms':>9}{'p90 ms':>8}{'stall ms':>9}"
-        f"{'rows/step':>10}{'MB/step':>8}{'hit':>6}",
+        f"{'config':<16}{'depth':>6}{'samples/s':>11}{'±%':>6}{'rounds':>7}{'step ms':>9}{'p90 ms':>8}{'stall ms':>9}"
+        f"{'plan ms':>8}{'rows/step':>10}{'MB/step':>8}{'hit':>6}{'deferred':>9}{'overflow':>9}",
     ]
     for c in report["configs"]:
         if "error" in c:
-            lines.append(f"{c['name']:<12}{c['prefetch_depth']!s:>6}  error: {c['error'][:80]}")
+            lines.append(f"{c['name']:<16}{c['prefetch_depth']!s:>6}  error: {c['error'][:80]}")
             continue
         hit = "-" if c.get("hit_rate") is None else f"{c['hit_rate']:.2f}"
         depth = "-" if c.get("prefetch_depth") is None else c["prefetch_depth"]
         noise = "-" if c.get("noise_pct") is None else f"{c['noise_pct']:.1f}"
         lines.append(
-            f"{c['name']:<12}{depth!s:>6}{c['samples_per_s']:>11.0f}{noise:>6}{c.get('rounds', 1):>7}"
+            f"{c['name']:<16}{depth!s:>6}{c['samples_per_s']:>11.0f}{noise:>6}{c.get('rounds', 1):>7}"
             f"{c['step_ms_median']:>9.1f}{c['step_ms_p90']:>8.1f}"
-            f"{c['stall_ms_per_step']:>9.2f}{c['rows_fetched_per_step']:>10.0f}{c['bytes_moved_per_step'] / 1e6:>8.2f}{hit:>6}"
+            f"{c['stall_ms_per_step']:>9.2f}{c.get('plan_ms_per_step', 0.0):>8.2f}{c['rows_fetched_per_step']:>10.0f}"
+            f"{c['bytes_moved_per_step'] / 1e6:>8.2f}{hit:>6}"
+            f"{c.get('deferred_batches_per_step', 0.0):>9.2f}{c.get('overflow_rows_per_step', 0.0):>9.0f}"
         )
     noise = report.get("noise")
     if report.get("speedup_vs_reactive") is not None:
@@ -262,6 +264,8 @@ def format_table(report: Dict[str, Any]) -> str:
         lines.append(f"auto chose depth {report['auto_depth']}")
     if noise:
         lines.append(f"±%: half-width of each rate's interval; {noise['method']}")
+    lines.append("plan ms: main-thread planning per step; deferred: prefetches per step that waited for pins; "
+                 "overflow: rows per step served from the host tier (cache smaller than one batch)")
     return "\n".join(lines)
 
 

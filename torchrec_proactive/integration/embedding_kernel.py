@@ -37,6 +37,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine
+from ..store.tiered_table import _load_factor
 from ..store import (
     EvictionPolicy,
     InvalidInputError,
@@ -146,7 +147,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         tables = config.embedding_tables
         self._host_buffer, self._host_views = host_buffer, list(host_weights)
         self.store = TieredTable(
-            name="+".join(t.name for t in tables),
+            name="+".join(dict.fromkeys(t.name for t in tables)),  # column shards of a table: once
             host_weight=_group_host_tier(config, host_buffer, self._host_views),
             optimizer=self.optimizer_config,
             num_slots=sum(_num_slots(t, options) for t in tables),
@@ -241,7 +242,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self.store.step = int(step)
 
     def table_names(self) -> List[str]:
-        return [seg.name for seg in self.store.segments]
+        """The group's tables, each once (several column shards of a table share a group)."""
+        return list(dict.fromkeys(seg.name for seg in self.store.segments))
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
@@ -335,8 +337,9 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             warnings.warn(
                 f"tables {self.table_names()}: one batch needs {batch.plan.num_rows} distinct rows but the device "
                 f"cache has {self.store.num_slots} slots; {batch.plan.num_overflow} rows were served from the host "
-                f"tier (exact, but on the critical path). A cache of at least {batch.plan.num_rows} slots (raise "
-                f"CacheParams.load_factor) avoids it.",
+                f"tier (exact, but on the critical path). A cache of at least {batch.plan.num_rows} slots for such a "
+                f"batch (CacheParams.load_factor >= {_load_factor(batch.plan.num_rows, self.store.num_rows)} of the "
+                f"{self.store.num_rows} rows on this rank; more with prefetch) avoids it.",
                 stacklevel=2,
             )
         sample_major = batch.bag_of_value is None and self._num_features > 1 and stride > 0

@@ -390,8 +390,9 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._warned_deferral = True
         warnings.warn(
             f"{self._module_fqn or 'embedding module'}: the rows of batch {index} do not fit in the device cache "
-            f"beside those of the batches in flight, so its fetch waits until their updates release them "
-            f"(its effective prefetch depth drops; training stays exact; counted in deferred_batches). "
+            f"beside those of the batches ahead of it, so its fetch waits until their updates release them, at the "
+            f"latest until its own lookup, where rows that still do not fit are served from the host tier (its "
+            f"effective prefetch depth drops; training stays exact; counted in deferred_batches). "
             f"{self._last_capacity_error}",
             stacklevel=3,
         )

@@ -73,8 +73,10 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
-        if sharding_type != ShardingType.DATA_PARALLEL.value and _CACHED not in kernels:
+        """Stock's kernels, with ``fused_uvm_caching`` offered exactly for the sharding types
+        proactive tables support (so the planner never picks a placement ``shard`` refuses)."""
+        kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type) if k != _CACHED]
+        if sharding_type in _SUPPORTED_SHARDING:
             kernels.append(_CACHED)
         return kernels
 

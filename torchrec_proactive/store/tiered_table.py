@@ -32,6 +32,7 @@ Nothing here imports TorchRec; the host tier may be a view of someone else's sto
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -414,13 +415,14 @@ class TieredTable:
         )
         if depth is not None:
             fits = max(self.num_slots - permanent, 0) // max(n_rows, 1) - 1
+            want = (depth + 1) * n_rows
             msg += (
-                f"; with prefetch_depth={depth} about {(depth + 1) * n_rows} slots are needed "
-                f"(depth + 1 batches of ~{n_rows} rows). "
+                f"; with prefetch_depth={depth} about {want} slots are needed (depth + 1 batches of "
+                f"~{n_rows} rows; load factor {_load_factor(want, self.num_rows)} of the {self.num_rows} rows here). "
                 + (
                     f"prefetch_depth <= {fits} would fit this cache"
                     if fits >= 0
-                    else "no prefetch depth fits: raise the cache size (cache_load_factor)"
+                    else "no prefetch depth fits: raise the cache size (CacheParams.load_factor)"
                 )
             )
         raise CacheCapacityError(msg)
@@ -622,6 +624,11 @@ class TieredTable:
             f"TieredTable(name={self.name!r}, rows={self.num_rows}, dim={self.dim}, "
             f"slots={self.num_slots}, policy={self.ranking.policy.value}, optim={self.optimizer.optim.value})"
         )
+
+
+def _load_factor(slots: int, rows: int) -> str:
+    """``slots`` as a cache load factor of ``rows``, for messages (rounded up to 0.001, at most 1)."""
+    return f"{min(1.0, math.ceil(1000 * slots / max(rows, 1)) / 1000):g}"
 
 
 def _move(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
