@@ -418,7 +418,8 @@ class TieredTable:
             want = (depth + 1) * n_rows
             msg += (
                 f"; with prefetch_depth={depth} about {want} slots are needed (depth + 1 batches of "
-                f"~{n_rows} rows; load factor {_load_factor(want, self.num_rows)} of the {self.num_rows} rows here). "
+                f"~{n_rows} rows: CacheParams.load_factor >= {_load_factor(want, self.num_rows)} of the {self.num_rows} "
+                f"rows here). "
                 + (
                     f"prefetch_depth <= {fits} would fit this cache"
                     if fits >= 0
