@@ -18,6 +18,7 @@ from . import data as data_lib
 from . import model as model_lib
 from .checkpoint import Checkpointer
 from .compose import to_yaml
+from .entry import in_config_words
 from ..store import CacheCapacityError
 from .errors import ConfigError
 from .env import check_same_config, make_env, seed_everything, setup_logging
@@ -40,8 +41,8 @@ def capacity_error(cfg: Config, e: CacheCapacityError) -> ConfigError:
     ``prefetch.*``."""
     depth = {"off": "prefetch=off (depth 0)", "fixed": f"prefetch.depth={cfg.prefetch.depth}",
              "auto": f"prefetch=auto (prefetch.max_depth={cfg.prefetch.max_depth})"}[cfg.prefetch.mode]
-    detail = str(e).replace("(cache_load_factor)", "(cache.load_factor)").replace("cache_load_factor", "cache.load_factor")
-    detail = detail.replace("prefetch_depth", "depth")
+    # (The message starts with the value already.)
+    detail = in_config_words(str(e), cfg, with_values=False).replace("prefetch_depth", "depth")
     fixes = "raise cache.load_factor" + (", set cache.fit_depth=true" if not cfg.cache.fit_depth else "") + \
         ("" if cfg.prefetch.mode == "off" else " or lower the depth")
     return ConfigError(f"cache.load_factor={cfg.cache.load_factor:g} is too small for {depth}: {detail}; {fixes}")

@@ -37,7 +37,6 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine
-from ..store.tiered_table import _load_factor
 from ..store import (
     EvictionPolicy,
     InvalidInputError,
@@ -47,6 +46,7 @@ from ..store import (
     Segment,
     TableBatch,
     TieredTable,
+    load_factor_text,
     plan_table_batch,
     pooled_lookup_group,
 )
@@ -338,7 +338,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"tables {self.table_names()}: one batch needs {batch.plan.num_rows} distinct rows but the device "
                 f"cache has {self.store.num_slots} slots; {batch.plan.num_overflow} rows were served from the host "
                 f"tier (exact, but on the critical path). A cache of at least {batch.plan.num_rows} slots for such a "
-                f"batch (CacheParams.load_factor >= {_load_factor(batch.plan.num_rows, self.store.num_rows)} of the "
+                f"batch (CacheParams.load_factor >= {load_factor_text(batch.plan.num_rows, self.store.num_rows)} of the "
                 f"{self.store.num_rows} rows on this rank; more with prefetch) avoids it.",
                 stacklevel=2,
             )

@@ -171,7 +171,6 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._prefetched: List[BatchFetch] = []
         self._validator = InputValidator(self._embedding_bag_configs)
         self._warned_deferral = False
-        self._last_capacity_error = ""
         # Set by the pipeline for the batch it is running; a forward of such a batch whose
         # fetch is missing is a pipeline bug, not a plain forward.
         # TorchRec's own pre-load hook purges the kernels (flush, then drop: see the kernel);
@@ -317,12 +316,13 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _plan_waiting(self) -> None:
         while self._waiting:
             ctx, dist_input = self._waiting[0]
-            fetch = self._issue(dist_input, getattr(ctx, "batch_index", None), overflow=False)
-            if fetch is None:  # does not fit yet: wait for pins to be released
+            try:
+                fetch = self._issue(dist_input, getattr(ctx, "batch_index", None), overflow=False)
+            except CacheCapacityError as e:  # does not fit yet: wait for pins to be released
                 if not getattr(ctx, "deferred", False):
                     ctx.deferred = True  # type: ignore[attr-defined]
                     self.proactive_stats.deferred_batches += 1
-                    self._warn_deferral_once(getattr(ctx, "batch_index", None))
+                    self._warn_deferral_once(getattr(ctx, "batch_index", None), e)
                 return
             self._waiting.popleft()
             ctx.fetch = fetch  # type: ignore[attr-defined]
@@ -352,11 +352,11 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # A plain forward (eval loop, after pipeline.detach(), no pipeline): fetch now.
         return self._issue(input, index, overflow=True)
 
-    def _issue(self, dist_input: KJTList, index: Optional[int], overflow: bool) -> Optional[BatchFetch]:
+    def _issue(self, dist_input: KJTList, index: Optional[int], overflow: bool) -> BatchFetch:
         """Plans the batch on every proactive kernel and issues one ticket for all of them.
 
-        Without ``overflow``, returns ``None`` (changing nothing) when some kernel's cache
-        cannot hold the batch beside the pins in flight."""
+        Without ``overflow``, raises ``CacheCapacityError`` (changing nothing) when some
+        kernel's cache cannot hold the batch beside the pins in flight."""
         groups: List[PlannedGroup] = []
         t0 = time.perf_counter()
         try:
@@ -366,13 +366,10 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 for kernel, group_features in zip(kernels, features.split(splits)):
                     if kernel is not None:
                         groups.append(kernel.plan_batch(group_features, overflow=overflow))
-        except BaseException as e:
+        except BaseException:
             # Nothing was issued, so nothing moved: undo the plans made so far exactly.
             for group in reversed(groups):
                 group.kernel.unplan(group)
-            if isinstance(e, CacheCapacityError) and not overflow:
-                self._last_capacity_error = str(e)
-                return None
             raise
         plans = [p for g in groups for p in g.plans]
         self.proactive_stats.plan_s += time.perf_counter() - t0
@@ -384,7 +381,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             raise
         return BatchFetch(ticket, groups, index)
 
-    def _warn_deferral_once(self, index: Optional[int]) -> None:
+    def _warn_deferral_once(self, index: Optional[int], why: CacheCapacityError) -> None:
         if self._warned_deferral:
             return
         self._warned_deferral = True
@@ -393,7 +390,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             f"beside those of the batches ahead of it, so its fetch waits until their updates release them, at the "
             f"latest until its own lookup, where rows that still do not fit are served from the host tier (its "
             f"effective prefetch depth drops; training stays exact; counted in deferred_batches). "
-            f"{self._last_capacity_error}",
+            f"{why}",
             stacklevel=3,
         )
 

@@ -19,8 +19,6 @@ from typing import Optional
 
 import torch
 
-_NEVER = torch.iinfo(torch.int64).max
-
 #: Candidates examined per victim needed (the window size, before clamping to the cache).
 WINDOW_FACTOR = 4
 #: Smallest window, so that tiny batches still choose among a fair sample.

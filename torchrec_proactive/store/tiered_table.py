@@ -418,7 +418,7 @@ class TieredTable:
             want = (depth + 1) * n_rows
             msg += (
                 f"; with prefetch_depth={depth} about {want} slots are needed (depth + 1 batches of "
-                f"~{n_rows} rows: CacheParams.load_factor >= {_load_factor(want, self.num_rows)} of the {self.num_rows} "
+                f"~{n_rows} rows: CacheParams.load_factor >= {load_factor_text(want, self.num_rows)} of the {self.num_rows} "
                 f"rows here). "
                 + (
                     f"prefetch_depth <= {fits} would fit this cache"
@@ -627,7 +627,7 @@ class TieredTable:
         )
 
 
-def _load_factor(slots: int, rows: int) -> str:
+def load_factor_text(slots: int, rows: int) -> str:
     """``slots`` as a cache load factor of ``rows``, for messages (rounded up to 0.001, at most 1)."""
     return f"{min(1.0, math.ceil(1000 * slots / max(rows, 1)) / 1000):g}"
 
