@@ -163,7 +163,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         )
         self._single_table_at_zero = len(tables) == 1
         self._num_features = int(self._feature_start.numel())
-        self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
+        self._block_starts_by_stride: Dict[int, torch.Tensor] = {}
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
@@ -319,19 +319,31 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # before bucketisation (where the error can still name the sample), so here they
         # only need moving into the store's row space; the store refuses rows outside it.
         ids = values.to(torch.int64).cpu()
+        per_feature = features.length_per_key()
+        # Every feature has `stride` ids: feature f's ids are the f-th block of `stride`.
+        blocks = stride > 0 and all(n == stride for n in per_feature)
+        # ... and no bag is empty: then every bag holds exactly one id (Criteo's shape).
+        one_per_bag = blocks and int(features.lengths().min()) >= 1
         if self._single_table_at_zero:
             rows = ids
+        elif blocks:
+            rows = ids + self._block_starts(stride)
         else:
-            per_feature = features.length_per_key()
-            if stride > 0 and all(n == stride for n in per_feature):
-                # Every feature has `stride` ids (one per bag, as in Criteo): feature f's ids
-                # are the f-th block, so one broadcast add moves them to their table.
-                rows = (ids.view(self._num_features, stride) + self._feature_start.view(-1, 1)).view(-1)
-            else:
-                rows = ids + self._feature_start.repeat_interleave(
-                    torch.tensor(per_feature, dtype=torch.int64), output_size=ids.numel())
+            rows = ids + self._feature_start.repeat_interleave(
+                torch.tensor(per_feature, dtype=torch.int64), output_size=ids.numel())
+        # One id per bag and several features: hand the store the ids sample by sample
+        # (value f * B + b of TorchRec's feature-major order goes to b * F + f), so that the
+        # pooled rows come out in TorchRec's [B, sum(dims)] layout with no transpose in
+        # forward or backward. Done before planning: the plan's lookup recipe is then in
+        # that order already. The sums per row run in the new order: deterministic.
+        sample_major = one_per_bag and self._num_features > 1
+        if sample_major:
+            rows = rows.view(self._num_features, stride).t().reshape(-1)
+            if weights is not None:
+                weights = weights.view(self._num_features, stride).t().reshape(-1)
         batch = plan_table_batch(self.store, rows, features.offsets(), self._mode,
-                                 self.prefetch_depth or None, overflow=overflow, checked=True)
+                                 self.prefetch_depth or None, overflow=overflow, checked=True,
+                                 one_per_bag=one_per_bag)
         if batch.plan.num_overflow and not self._warned_overflow:
             self._warned_overflow = True
             warnings.warn(
@@ -342,22 +354,15 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"{self.store.num_rows} rows on this rank; more with prefetch) avoids it.",
                 stacklevel=2,
             )
-        sample_major = batch.bag_of_value is None and self._num_features > 1 and stride > 0
-        if sample_major:
-            order = self._sample_major_order(stride)
-            batch.reorder_bags(order)
-            if weights is not None:
-                weights = weights.index_select(0, order.to(weights.device))
         return PlannedGroup(self, batch, stride, int(values.numel()), weights, sample_major)
 
-    def _sample_major_order(self, stride: int) -> torch.Tensor:
-        """Value ``f * B + b`` (TorchRec's feature-major KJT order) goes to row ``b * F + f``."""
-        order = self._orders.get(stride)
-        if order is None:
-            order = torch.arange(self._num_features * stride, device=self._device)
-            order = order.view(self._num_features, stride).t().reshape(-1)
-            self._orders[stride] = order
-        return order
+    def _block_starts(self, stride: int) -> torch.Tensor:
+        """Per value of a KJT whose features all hold ``stride`` ids: its table's first row."""
+        starts = self._block_starts_by_stride.get(stride)
+        if starts is None:
+            starts = self._feature_start.repeat_interleave(stride)
+            self._block_starts_by_stride[stride] = starts
+        return starts
 
     def unplan(self, planned: PlannedGroup) -> None:
         """Undoes a plan whose fetch was never issued (nothing moved yet): bookkeeping back,

@@ -57,43 +57,68 @@ class SlotRanking:
     def touch(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Records one access of ``rows`` held in ``slots`` (one batch = one tick)."""
         self._tick += 1
-        self.last_used[slots] = self._tick
+        self.last_used.index_fill_(0, slots, self._tick)
         if self.row_freq is not None:
             self.row_freq[rows] += 1
 
     def pick_victims(
-        self, n: int, pins: torch.Tensor, permanent: torch.Tensor, slot_to_row: torch.Tensor
+        self, n: int, pins: torch.Tensor, permanent: Optional[torch.Tensor], slot_to_row: torch.Tensor
     ) -> torch.Tensor:
         """Up to ``n`` evictable slots, lowest rank first; exactly ``n`` whenever the cache
-        has that many (fewer means the whole cache was scanned and that is all there is)."""
+        has that many (fewer means the whole cache was scanned and that is all there is).
+        ``permanent`` may be None when no slot is permanently hot (one mask op fewer)."""
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
         size = min(self.num_slots, max(WINDOW_FACTOR * n, MIN_WINDOW))
         if size < self.num_slots:
             start, end = self._hand, self._hand + size
-            free = self._evictable(pins, permanent, start, min(end, self.num_slots))
-            if end > self.num_slots:  # the window wraps around the end of the cache
-                free = torch.cat([free, self._evictable(pins, permanent, 0, end - self.num_slots)])
-            if free.numel() >= n:
+            if end <= self.num_slots:
+                victims = self._lowest(n, pins, permanent, slot_to_row, start, end)
+            else:  # the window wraps around the end of the cache
+                victims = self._lowest(n, pins, permanent, slot_to_row, start, self.num_slots, 0, end - self.num_slots)
+            if victims is not None:
                 self._hand = end % self.num_slots
-                return self._lowest(free, n, slot_to_row)
-        free = torch.nonzero((pins == 0) & ~permanent).flatten()
-        if free.numel() <= n:
-            return free
-        return self._lowest(free, n, slot_to_row)
+                return victims
+        return self._lowest_of_all(n, pins, permanent, slot_to_row)
 
-    @staticmethod
-    def _evictable(pins: torch.Tensor, permanent: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return torch.nonzero((pins[start:end] == 0) & ~permanent[start:end]).flatten().add_(start)
-
-    def _lowest(self, candidates: torch.Tensor, n: int, slot_to_row: torch.Tensor) -> torch.Tensor:
-        if candidates.numel() == n:
-            return candidates
-        score = self.last_used.index_select(0, candidates)
+    def _scores(self, pins: torch.Tensor, permanent: Optional[torch.Tensor], slot_to_row: torch.Tensor,
+                start: int, end: int) -> torch.Tensor:
+        """Rank of each slot in ``[start, end)``; ``_UNEVICTABLE`` for pinned or permanent slots."""
+        blocked = pins[start:end] != 0
+        if permanent is not None:
+            blocked |= permanent[start:end]
+        score = self.last_used[start:end]
         if self.row_freq is not None:
-            rows = slot_to_row.index_select(0, candidates)
-            occupied = rows >= 0
+            rows = slot_to_row[start:end]
             freq = self.row_freq.index_select(0, rows.clamp(min=0)).long()
             # Frequency first, recency breaks ties; empty slots (-1) stay first.
-            score = torch.where(occupied, freq * (self._tick + 2) + score + 1, -1)
-        return candidates.index_select(0, torch.topk(score, n, largest=False, sorted=False).indices)
+            score = torch.where(rows >= 0, freq * (self._tick + 2) + score + 1, -1)
+        return score.masked_fill(blocked, _UNEVICTABLE)
+
+    def _lowest(self, n: int, pins: torch.Tensor, permanent: Optional[torch.Tensor], slot_to_row: torch.Tensor,
+                start: int, end: int, start2: int = 0, end2: int = 0) -> Optional[torch.Tensor]:
+        """The ``n`` lowest-ranked evictable slots of ``[start, end)`` (+ ``[start2, end2)``),
+        or None when those ranges hold fewer than ``n``. One ``topk`` over the ranges, no
+        ``nonzero``: the blocked slots rank last, so a blocked slot among the chosen means
+        there were not enough."""
+        score = self._scores(pins, permanent, slot_to_row, start, end)
+        if end2 > start2:
+            score = torch.cat([score, self._scores(pins, permanent, slot_to_row, start2, end2)])
+        values, index = torch.topk(score, n, largest=False, sorted=False)
+        if int(values.max()) == _UNEVICTABLE:
+            return None
+        if end2 > start2:
+            # Positions past the first range belong to the second one.
+            first = end - start
+            return torch.where(index < first, index + start, index - first + start2)
+        return index.add_(start)
+
+    def _lowest_of_all(self, n: int, pins: torch.Tensor, permanent: Optional[torch.Tensor],
+                       slot_to_row: torch.Tensor) -> torch.Tensor:
+        score = self._scores(pins, permanent, slot_to_row, 0, self.num_slots)
+        free = int((score != _UNEVICTABLE).sum())
+        return torch.topk(score, min(n, free), largest=False, sorted=False).indices
+
+
+#: The rank of a slot that may not be evicted (pinned or permanently hot): above every real rank.
+_UNEVICTABLE = torch.iinfo(torch.int64).max

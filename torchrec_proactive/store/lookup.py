@@ -31,33 +31,30 @@ class TableBatch:
     inverse: torch.Tensor
     offsets: torch.Tensor
     mode: str = "sum"
+    # True when the caller knows that every bag holds exactly one value (checked otherwise).
+    one_per_bag: Optional[bool] = None
     slot_ids: torch.Tensor = field(init=False)  # per value: where its row is at lookup
-    # Per value, its bag; None when every bag holds exactly one value (one id per feature,
-    # as in Criteo): then a bag *is* its value, pooling is a gather and no value needs
-    # mapping to its bag.
+    # Per value, its bag, and per bag, its length; both None when every bag holds exactly
+    # one value (one id per feature, as in Criteo): then a bag *is* its value, pooling is a
+    # gather and no value needs mapping to its bag.
     bag_of_value: Optional[torch.Tensor] = field(init=False)
-    lengths: torch.Tensor = field(init=False)
+    lengths: Optional[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         self.slot_ids = self.plan.device_slots().index_select(0, self.inverse)
-        self.lengths = self.offsets[1:] - self.offsets[:-1]
         num_values = int(self.inverse.numel())
-        if num_values == self.lengths.numel() and bool((self.lengths == 1).all()):
-            self.bag_of_value = None
+        if self.one_per_bag is None:
+            # n values in n bags with none empty: every bag holds exactly one.
+            self.one_per_bag = num_values == self.num_bags and (
+                num_values == 0 or int(torch.diff(self.offsets).min()) >= 1)
+        if self.one_per_bag:
+            self.bag_of_value = self.lengths = None
         else:
+            self.lengths = torch.diff(self.offsets)
             self.bag_of_value = torch.repeat_interleave(
                 torch.arange(self.lengths.numel(), device=self.offsets.device), self.lengths,
                 output_size=num_values,
             )
-
-    def reorder_bags(self, order: torch.Tensor) -> None:
-        """Makes bag ``order[i]`` the ``i``-th output row. Only for one value per bag (a bag
-        is its value), so per-sample weights must be reordered the same way by the caller.
-        The sums per row then run in the new order: deterministic, whatever the cache."""
-        if self.bag_of_value is not None:
-            raise InvalidInputError(f"table '{self.table.name}': only one-value bags can be reordered")
-        self.slot_ids = self.slot_ids.index_select(0, order)
-        self.inverse = self.inverse.index_select(0, order)
 
     @property
     def table(self) -> TieredTable:
@@ -76,11 +73,13 @@ def plan_table_batch(
     depth_hint: Optional[int] = None,
     overflow: bool = False,
     checked: bool = False,
+    one_per_bag: Optional[bool] = None,
 ) -> TableBatch:
     """Validates a bag batch, plans its rows on ``table`` and returns the lookup recipe
     (``overflow``: see ``TieredTable.plan``). ``checked``: ``values``/``offsets`` come from a
     ``KeyedJaggedTensor`` that was already validated (non-negative lengths, integer ids),
-    so the bag checks are skipped; the store still refuses rows outside its row space."""
+    so the bag checks are skipped; the store still refuses rows outside its row space.
+    ``one_per_bag``: the caller knows whether every bag holds exactly one value (None: check)."""
     if not checked:
         _check_bags(table.name, values, offsets)
     if mode not in ("sum", "mean"):
@@ -93,7 +92,7 @@ def plan_table_batch(
         inverse = inverse.to(device)
     if offsets.device != device or offsets.dtype != torch.int64:
         offsets = offsets.to(device=device, dtype=torch.int64)
-    return TableBatch(plan, inverse, offsets, mode)
+    return TableBatch(plan, inverse, offsets, mode, one_per_bag)
 
 
 def _check_bags(name: str, values: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -140,7 +139,8 @@ def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Te
     else:
         g = grad_out.index_select(0, batch.bag_of_value)
         if batch.mode == "mean":
-            g = g / batch.lengths[batch.bag_of_value].clamp(min=1).unsqueeze(1).to(g.dtype)
+            lengths = batch.lengths[batch.bag_of_value]  # type: ignore[index]
+            g = g / lengths.clamp(min=1).unsqueeze(1).to(g.dtype)
     grad_psw = None
     if psw is not None:
         if want_psw_grad:

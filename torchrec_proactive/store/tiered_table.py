@@ -336,20 +336,22 @@ class TieredTable:
         if tracked:
             # Pin the batch's hits first: the victim search then cannot choose them.
             miss = slots < 0
-            hit_slots = slots[~miss]
-            self._add_pins(hit_slots, 1)
-            n_miss = num_rows - int(hit_slots.numel())
+            # A miss adds 0 to slot 0: cheaper than selecting the hits first.
+            hit_pins = (~miss).to(self.pins.dtype)
+            self.pins.index_add_(0, slots.clamp(min=0), hit_pins)
+            n_miss = num_rows - int(hit_pins.sum())
         else:
             n_miss = 0
         if n_miss == 0:  # steady state of a warm cache: no victims to look for
             fill_rows = victims = writeback_rows = writeback_slots = rows[:0]
         else:
-            fill_rows = rows[miss]
-            victims = self.ranking.pick_victims(n_miss, self.pins, self.permanent, self.slot_to_row)
+            fill_rows = rows.masked_select(miss)
+            victims = self.ranking.pick_victims(n_miss, self.pins, self.permanent if self._hot_rows is not None else None,
+                                                self.slot_to_row)
             n_free = int(victims.numel())
             if n_free < n_miss:
                 if not overflow:
-                    self._add_pins(hit_slots, -1)
+                    self.pins.index_add_(0, slots.clamp(min=0), hit_pins.neg_())
                     if preloading:  # leave no trace: the preload waits for a plan that moves it
                         self._unmap_preload(preload_rows, preload_slots)
                     self._raise_capacity(num_rows, n_miss, n_free, depth_hint)
@@ -369,7 +371,7 @@ class TieredTable:
             # The victim's dirty bit now describes the incoming row, which is clean.
             self.dirty.index_fill_(0, victims, False)
             self._add_pins(victims, 1)
-            slots[miss] = victims
+            slots.masked_scatter_(miss, victims)
             if overflow_rows is not None:
                 slots[slots < 0] = self.num_slots + torch.arange(overflow_rows.numel(), dtype=torch.int64)
         if tracked:
