@@ -230,13 +230,20 @@ def test_capacity_error_names_depth_that_fits():
 
 
 @pytest.mark.parametrize("bad", [-1, 100, 12345])
-def test_out_of_range_ids_are_refused_with_table_value_and_limit(bad):
-    table = TieredTable("users", torch.randn(100, 4), OptimizerConfig(), num_slots=10)
+@pytest.mark.parametrize("slots", [10, 100])  # 100: every row is preloaded by the first plan
+def test_out_of_range_ids_are_refused_with_table_value_and_limit(bad, slots):
+    table = TieredTable("users", torch.randn(100, 4), OptimizerConfig(), num_slots=slots)
     before = table.host_weight.clone()
     with pytest.raises(IdOutOfRangeError, match=rf"'users'.*id {bad} .*\[0, 100\)"):
         plan_table_batch(table, torch.tensor([1, bad]), torch.tensor([0, 2]))
     table.check_invariants(expect_drained=True)
     assert torch.equal(before, table.host_weight)
+    # The refused plan left no trace: the next one still carries the preload, and reads it.
+    tb = plan_table_batch(table, torch.tensor([1, 99]), torch.tensor([0, 2]), checked=True)
+    FetchEngine().run([tb.plan])
+    assert torch.equal(pooled_lookup(tb, torch.empty(0, requires_grad=True)), before[[1, 99]].sum(0, keepdim=True))
+    table.release(tb.plan)
+    table.check_invariants(expect_drained=True)
 
 
 def test_shard_errors_report_global_ids():

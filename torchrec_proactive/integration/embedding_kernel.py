@@ -164,6 +164,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._single_table_at_zero = len(tables) == 1
         self._num_features = int(self._feature_start.numel())
         self._block_starts_by_stride: Dict[int, torch.Tensor] = {}
+        self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
@@ -338,9 +339,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # that order already. The sums per row run in the new order: deterministic.
         sample_major = one_per_bag and self._num_features > 1
         if sample_major:
-            rows = rows.view(self._num_features, stride).t().reshape(-1)
+            order = self._sample_major_order(stride)
+            rows = rows.index_select(0, order)  # (cheaper than a transposed copy)
             if weights is not None:
-                weights = weights.view(self._num_features, stride).t().reshape(-1)
+                weights = weights.index_select(0, order.to(weights.device))
         batch = plan_table_batch(self.store, rows, features.offsets(), self._mode,
                                  self.prefetch_depth or None, overflow=overflow, checked=True,
                                  one_per_bag=one_per_bag)
@@ -355,6 +357,14 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 stacklevel=2,
             )
         return PlannedGroup(self, batch, stride, int(values.numel()), weights, sample_major)
+
+    def _sample_major_order(self, stride: int) -> torch.Tensor:
+        """Value ``f * B + b`` (TorchRec's feature-major KJT order) goes to row ``b * F + f``."""
+        order = self._orders.get(stride)
+        if order is None:
+            order = torch.arange(self._num_features * stride).view(self._num_features, stride).t().reshape(-1)
+            self._orders[stride] = order
+        return order
 
     def _block_starts(self, stride: int) -> torch.Tensor:
         """Per value of a KJT whose features all hold ``stride`` ids: its table's first row."""

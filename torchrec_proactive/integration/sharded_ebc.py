@@ -363,7 +363,9 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for (splits, kernels), features in zip(self._group_layout, dist_input):
                 if not any(k is not None for k in kernels):
                     continue
-                for kernel, group_features in zip(kernels, features.split(splits)):
+                # (One kernel for all the features needs no split: it costs a KJT copy.)
+                parts = [features] if len(splits) == 1 else features.split(splits)
+                for kernel, group_features in zip(kernels, parts):
                     if kernel is not None:
                         groups.append(kernel.plan_batch(group_features, overflow=overflow))
         except BaseException:

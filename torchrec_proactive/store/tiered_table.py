@@ -324,13 +324,16 @@ class TieredTable:
 
     def _plan(self, rows: torch.Tensor, depth_hint: Optional[int], overflow: bool) -> FetchPlan:
         """``plan`` for rows that are unique and sorted by construction (``unique_rows``)."""
-        # Sorted: the ends are the extremes.
-        if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= self.num_rows):
-            self.validate_rows(rows)
         preloading = self._preload_pending
         preload_rows, preload_slots = self._map_preload() if preloading else (rows[:0], rows[:0])
+        try:
+            slots = self.row_to_slot.index_select(0, rows).long()  # bounds-checked
+        except (IndexError, RuntimeError):
+            if preloading:  # leave no trace
+                self._unmap_preload(preload_rows, preload_slots)
+            self.validate_rows(rows)  # names the table, the id and the limit
+            raise
         num_rows = int(rows.numel())
-        slots = self.row_to_slot.index_select(0, rows).long()
         tracked = not self.holds_every_row  # (a cache holding every row never evicts: pins protect nothing)
         overflow_rows: Optional[torch.Tensor] = None
         if tracked:
@@ -364,8 +367,8 @@ class TieredTable:
             victim_rows = self.slot_to_row.index_select(0, victims)
             occupied = victim_rows >= 0
             wb = occupied & self.dirty.index_select(0, victims)
-            writeback_slots, writeback_rows = victims[wb], victim_rows[wb]
-            self.row_to_slot.index_fill_(0, victim_rows[occupied], -1)
+            writeback_slots, writeback_rows = victims.masked_select(wb), victim_rows.masked_select(wb)
+            self.row_to_slot.index_fill_(0, victim_rows.masked_select(occupied), -1)
             self.slot_to_row.index_copy_(0, victims, fill_rows)
             self.row_to_slot.index_copy_(0, fill_rows, victims.to(torch.int32))
             # The victim's dirty bit now describes the incoming row, which is clean.
