@@ -5,14 +5,15 @@ Steady state at the start of step ``N`` (depth ``k >= 1``): the pipeline holds b
 batch ``N+k`` has its id all-to-all in flight. Step ``N`` then runs::
 
     1. zero_grad
-    2. prefetch N+k      wait for its ids (input all-to-all), plan its rows, issue the fetch
+    2. prefetch N+k      wait for its ids (input all-to-all), queue it for planning
     3. enqueue N+k+1     load it and start its input all-to-all (splits)
-    4. forward N         waits for N's fetch ticket (usually long done), lookup, output a2a
+    4. forward N         waits for N's fetch ticket (usually long done), lookup, output a2a;
+                         while that all-to-all runs, plan N+k's rows and issue its fetch
     5. launch N+k+1      the ids all-to-all of N+k+1 (second half of input dist)
     6. backward N        fused embedding update (unpins N's rows), dense all-reduce
     7. optimizer step, dequeue N
 
-so the copy of N+k's cold rows overlaps steps 3-7 of N and all of N+1 .. N+k-1. With
+so the copy of N+k's cold rows overlaps steps 4-7 of N and all of N+1 .. N+k-1. With
 ``k = 0`` (reactive) step 2 only waits for N's ids and the rows are fetched inside forward,
 on the critical path - TorchRec's behaviour, kept as the baseline.
 
@@ -178,6 +179,9 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             module_ctx.batch_index = context.index  # type: ignore[attr-defined]
             if self.prefetch_depth > 0 and isinstance(module, ProactiveShardedEmbeddingBagCollection):
                 module_ctx.prefetch_expected = True  # type: ignore[attr-defined]
+                # Batch N's forward comes before this batch's lookup (k >= 1): plan it while
+                # N's output all-to-all runs (see ProactiveEBCContext).
+                module_ctx.plan_in_output_dist = True  # type: ignore[attr-defined]
                 module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_ctx)
             context.module_input_post_prefetch[name] = dist_input
             context.module_contexts_post_prefetch[name] = module_ctx

@@ -92,10 +92,31 @@ class BatchFetch:
 @dataclass
 class ProactiveEBCContext(EmbeddingBagCollectionContext):
     """The batch's fetch, carried from ``prefetch`` to ``compute_and_output_dist``;
-    ``prefetch_expected`` is set by a pipeline that promised to prefetch this batch."""
+    ``prefetch_expected`` is set by a pipeline that promised to prefetch this batch.
+
+    ``plan_in_output_dist`` is set by a pipeline that runs an earlier batch's forward
+    between this batch's ``prefetch`` and its lookup: the plan is then made while that
+    forward's output all-to-all is in flight, where the main thread would only block on it
+    (the paper's idea, applied to planning), and at the latest at this batch's lookup.
+    """
 
     fetch: Optional[BatchFetch] = None
     prefetch_expected: bool = False
+    plan_in_output_dist: bool = False
+
+
+class _PlanBeforeWaiting(LazyAwaitable[Any]):
+    """A lookup's output all-to-all (already launched) that plans the prefetches queued
+    behind it before it blocks: the planning runs while the all-to-all moves data."""
+
+    def __init__(self, output_dist: LazyAwaitable[Any], plan: Any) -> None:
+        super().__init__()
+        self._output_dist = output_dist
+        self._plan = plan
+
+    def _wait_impl(self) -> Any:
+        self._plan()
+        return self._output_dist.wait()
 
 
 @dataclass
@@ -288,7 +309,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if not self._proactive_kernels:
             return
         self._waiting.append((ctx, dist_input))
-        self._plan_waiting()
+        if not getattr(ctx, "plan_in_output_dist", False):
+            self._plan_waiting()
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
         if self._proactive_kernels and getattr(ctx, "fetch", None) is None:
@@ -310,10 +332,17 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         out = super().compute_and_output_dist(ctx, input)
         if self._proactive_options.debug_checks:
             self.check_invariants()
+        if self._waiting:
+            # Later batches wait to be planned: plan them while this output all-to-all runs.
+            return _PlanBeforeWaiting(out, self._plan_waiting)
         return out
 
     # ------------------------------------------------------------------ internals
-    def _plan_waiting(self) -> None:
+    def _plan_waiting(self, until: Optional[Any] = None) -> None:
+        """Plans the waiting batches in arrival order, up to and including ``until`` when it
+        is one of them (the rest are planned in its output all-to-all)."""
+        if until is not None and not any(c is until for c, _ in self._waiting):
+            until = None
         while self._waiting:
             ctx, dist_input = self._waiting[0]
             try:
@@ -327,10 +356,12 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self._waiting.popleft()
             ctx.fetch = fetch  # type: ignore[attr-defined]
             self._prefetched.append(fetch)
+            if ctx is until:
+                return
 
     def _fetch_at_lookup(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> Optional[BatchFetch]:
         """The fetch of a batch that reaches its lookup without one."""
-        self._plan_waiting()  # backward passes since the last try may have released pins
+        self._plan_waiting(until=ctx)  # backward passes since the last try may have released pins
         if getattr(ctx, "fetch", None) is not None:
             return ctx.fetch  # type: ignore[attr-defined]
         index = getattr(ctx, "batch_index", None)
