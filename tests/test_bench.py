@@ -67,3 +67,15 @@ def test_auto_runs_the_depth_the_trainer_rule_picks(quick_report):
     if "auto" in by_name:
         assert by_name["auto"]["chosen_depth"] in (1, 2, 4)
         assert report["auto_depth"] == by_name["auto"]["chosen_depth"]
+
+
+def test_planning_cost_is_reported_as_wall_and_cpu_time(quick_report):
+    report, _ = quick_report
+    by_name = {c["name"]: c for c in report["configs"]}
+    assert by_name["resident"].get("plan_ms_per_step", 0.0) == 0.0
+    for k in (1, 2):
+        c = by_name[f"depth_{k}"]
+        assert c["plan_ms_per_step"] > 0 and c["plan_cpu_ms_per_step"] > 0
+        # CPU time of the planning thread cannot exceed the wall time it spanned (same spans;
+        # the slack covers the clocks' different resolutions)
+        assert c["plan_cpu_ms_per_step"] <= c["plan_ms_per_step"] * 1.05 + 0.05

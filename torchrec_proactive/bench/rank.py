@@ -127,7 +127,8 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         [total.get(k, 0.0) for k in ("rows_fetched", "bytes_moved", "rows_written_back", "hits", "rows_requested",
                                      "deferred_batches", "overflow_rows")]
     )
-    plan_s = _max_over_ranks([total.get("plan_s", 0.0) / n])[0]  # main-thread planning, slowest rank
+    # Planning per step on the slowest rank: wall time, and the planning thread's CPU time.
+    plan_s, plan_cpu_s = _max_over_ranks([total.get("plan_s", 0.0) / n, total.get("plan_cpu_s", 0.0) / n])
     median = statistics.median(step)
     # Reporting hook (bench runner's noise estimate): the slowest-rank step times, per round.
     per_round, i = [], 0
@@ -146,6 +147,7 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         "bytes_moved_per_step": nbytes / n,
         "rows_written_back_per_step": wb / n,
         "plan_ms_per_step": 1e3 * plan_s,
+        "plan_cpu_ms_per_step": 1e3 * plan_cpu_s,
         "deferred_batches_per_step": deferred / n,
         "overflow_rows_per_step": overflow / n,
         "hit_rate": hits / req if req else (1.0 if total else None),

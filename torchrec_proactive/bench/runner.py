@@ -223,7 +223,7 @@ def format_table(report: Dict[str, Any]) -> str:
         + (f" - calibrated so a cold fetch costs {link['target_fetch_fraction']:.0%} of a resident step"
            if link.get("calibrated") else ""),
         f"{'config':<16}{'depth':>6}{'samples/s':>11}{'±%':>6}{'rounds':>7}{'step ms':>9}{'p90 ms':>8}{'stall ms':>9}"
-        f"{'plan ms':>8}{'rows/step':>10}{'MB/step':>8}{'hit':>6}{'deferred':>9}{'overflow':>9}",
+        f"{'plan ms':>8}{'cpu ms':>7}{'rows/step':>10}{'MB/step':>8}{'hit':>6}{'deferred':>9}{'overflow':>9}",
     ]
     for c in report["configs"]:
         if "error" in c:
@@ -235,7 +235,8 @@ def format_table(report: Dict[str, Any]) -> str:
         lines.append(
             f"{c['name']:<16}{depth!s:>6}{c['samples_per_s']:>11.0f}{noise:>6}{c.get('rounds', 1):>7}"
             f"{c['step_ms_median']:>9.1f}{c['step_ms_p90']:>8.1f}"
-            f"{c['stall_ms_per_step']:>9.2f}{c.get('plan_ms_per_step', 0.0):>8.2f}{c['rows_fetched_per_step']:>10.0f}"
+            f"{c['stall_ms_per_step']:>9.2f}{c.get('plan_ms_per_step', 0.0):>8.2f}"
+            f"{c.get('plan_cpu_ms_per_step', 0.0):>7.2f}{c['rows_fetched_per_step']:>10.0f}"
             f"{c['bytes_moved_per_step'] / 1e6:>8.2f}{hit:>6}"
             f"{c.get('deferred_batches_per_step', 0.0):>9.2f}{c.get('overflow_rows_per_step', 0.0):>9.0f}"
         )

@@ -147,7 +147,11 @@ class ProactiveStats:
     rows_fetched: int = 0
     rows_written_back: int = 0
     bytes_moved: int = 0
-    plan_s: float = 0.0  # main-thread time spent mapping ids and planning (all batches)
+    plan_s: float = 0.0  # wall time spent mapping ids and planning (all batches)
+    # CPU time of the planning thread over the same spans. Planning runs while batch N's
+    # output all-to-all is in flight, so its wall time also counts the CPU it shares with
+    # the collective's threads; the CPU time is what planning itself costs.
+    plan_cpu_s: float = 0.0
     deferred_batches: int = 0  # prefetches that waited for pins (effective depth dropped)
     overflow_rows: int = 0  # rows served from the host tier because one batch outgrew the cache
     keep_records: bool = False
@@ -162,7 +166,7 @@ class ProactiveStats:
             "hits": self.hits, "hit_rate": self.hit_rate(), "rows_fetched": self.rows_fetched,
             "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
             "deferred_batches": self.deferred_batches, "overflow_rows": self.overflow_rows,
-            "plan_s": self.plan_s,
+            "plan_s": self.plan_s, "plan_cpu_s": self.plan_cpu_s,
         }
 
 
@@ -389,7 +393,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         Without ``overflow``, raises ``CacheCapacityError`` (changing nothing) when some
         kernel's cache cannot hold the batch beside the pins in flight."""
         groups: List[PlannedGroup] = []
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             for (splits, kernels), features in zip(self._group_layout, dist_input):
                 if not any(k is not None for k in kernels):
@@ -406,6 +410,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             raise
         plans = [p for g in groups for p in g.plans]
         self.proactive_stats.plan_s += time.perf_counter() - t0
+        self.proactive_stats.plan_cpu_s += time.thread_time() - cpu0
         try:
             ticket = self._fetch_engine.issue(plans, tag=index)
         except BaseException:
