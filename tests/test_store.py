@@ -410,3 +410,24 @@ def test_sampled_lru_keeps_the_hit_rate_of_exact_lru():
     finally:
         eviction.MIN_WINDOW = old
     assert 0.2 < exact < 0.95 and sampled >= exact - 0.02, (sampled, exact)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        torch.tensor([], dtype=torch.int64),
+        torch.tensor([7]),
+        torch.tensor([3, 3, 3, 3]),
+        torch.tensor([5, -2, 9, -2, 0, 5], dtype=torch.int32),  # negatives (refused later, by the store)
+        torch.randint(0, 50, (4096,), generator=torch.Generator().manual_seed(1)),
+        torch.randint(-10**12, 10**12, (3000,), generator=torch.Generator().manual_seed(2)),
+        torch.tensor([2**62, 1, 2**62, -(2**62)]),  # too large to pack with a position: torch.unique
+        torch.arange(100, 0, -1)[::2],  # not contiguous
+    ],
+    ids=["empty", "one", "all-equal", "negative-int32", "dense", "wide", "huge", "strided"],
+)
+def test_unique_rows_equals_torch_unique(values):
+    rows, inverse = unique_rows(values)
+    want_rows, want_inverse = torch.unique(values.to(torch.int64), sorted=True, return_inverse=True)
+    assert rows.dtype == inverse.dtype == torch.int64
+    assert torch.equal(rows, want_rows) and torch.equal(inverse, want_inverse)

@@ -47,8 +47,8 @@ class SlotRanking:
         self.num_slots = num_slots
         self._tick = 0
         self._hand = 0  # where the next victim window starts
-        # -1 = never used: empty slots sort first.
-        self.last_used = torch.full((num_slots,), -1, dtype=torch.int64)
+        # 0 = never used (ticks start at 1): empty slots sort first.
+        self.last_used = torch.zeros(num_slots, dtype=torch.int64)
         # LFU counts accesses per *row*, so a row that comes back keeps its history.
         self.row_freq: Optional[torch.Tensor] = (
             torch.zeros(num_rows, dtype=torch.int32) if policy is EvictionPolicy.LFU else None
@@ -83,17 +83,23 @@ class SlotRanking:
 
     def _scores(self, pins: torch.Tensor, permanent: Optional[torch.Tensor], slot_to_row: torch.Tensor,
                 start: int, end: int) -> torch.Tensor:
-        """Rank of each slot in ``[start, end)``; ``_UNEVICTABLE`` for pinned or permanent slots."""
+        """Rank of each slot in ``[start, end)``; at least ``_UNEVICTABLE`` for pinned or
+        permanent slots."""
+        if self.row_freq is None:
+            # LRU: recency plus _UNEVICTABLE per pin, in one op (ticks stay below it: one
+            # tick per batch; pins count in-flight batches, so the sum cannot overflow).
+            score = torch.add(self.last_used[start:end], pins[start:end], alpha=_UNEVICTABLE)
+            if permanent is not None:
+                score.add_(permanent[start:end], alpha=_UNEVICTABLE)
+            return score
         blocked = pins[start:end] != 0
         if permanent is not None:
             blocked |= permanent[start:end]
-        score = self.last_used[start:end]
-        if self.row_freq is not None:
-            rows = slot_to_row[start:end]
-            freq = self.row_freq.index_select(0, rows.clamp(min=0)).long()
-            # Frequency first, recency breaks ties; empty slots (-1) stay first.
-            score = torch.where(rows >= 0, freq * (self._tick + 2) + score + 1, -1)
-        return score.masked_fill(blocked, _UNEVICTABLE)
+        rows = slot_to_row[start:end]
+        freq = self.row_freq.index_select(0, rows.clamp(min=0)).long()
+        # Frequency first, recency breaks ties; empty slots (-1) stay first.
+        score = torch.where(rows >= 0, freq * (self._tick + 2) + self.last_used[start:end] + 1, -1)
+        return score.clamp_(max=_UNEVICTABLE - 1).masked_fill_(blocked, _UNEVICTABLE)
 
     def _lowest(self, n: int, pins: torch.Tensor, permanent: Optional[torch.Tensor], slot_to_row: torch.Tensor,
                 start: int, end: int, start2: int = 0, end2: int = 0) -> Optional[torch.Tensor]:
@@ -105,7 +111,7 @@ class SlotRanking:
         if end2 > start2:
             score = torch.cat([score, self._scores(pins, permanent, slot_to_row, start2, end2)])
         values, index = torch.topk(score, n, largest=False, sorted=False)
-        if int(values.max()) == _UNEVICTABLE:
+        if int(values.max()) >= _UNEVICTABLE:
             return None
         if end2 > start2:
             # Positions past the first range belong to the second one.
@@ -116,9 +122,11 @@ class SlotRanking:
     def _lowest_of_all(self, n: int, pins: torch.Tensor, permanent: Optional[torch.Tensor],
                        slot_to_row: torch.Tensor) -> torch.Tensor:
         score = self._scores(pins, permanent, slot_to_row, 0, self.num_slots)
-        free = int((score != _UNEVICTABLE).sum())
+        free = int((score < _UNEVICTABLE).sum())
         return torch.topk(score, min(n, free), largest=False, sorted=False).indices
 
 
-#: The rank of a slot that may not be evicted (pinned or permanently hot): above every real rank.
-_UNEVICTABLE = torch.iinfo(torch.int64).max
+#: A slot ranked this high or higher may not be evicted (it is pinned or permanently hot).
+#: Above every real rank (LRU ticks, one per batch, never reach 2**40; LFU ranks are
+#: clamped to it), yet small enough that a few pins' worth of it still fits in an int64.
+_UNEVICTABLE = 2**40
