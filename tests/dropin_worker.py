@@ -289,6 +289,16 @@ def check_planner(rank: int, world_size: int) -> Dict[str, Any]:
         res["unconstrained_error"] = err(e)
     small = tables(2, dim=8)
     ours = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(SGD))
+    try:  # row-wise on CPU, which stock's sharder does not offer there: planned, sharded, trained
+        rw = {c.name: ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused_uvm_caching"],
+                                           cache_params=CacheParams(load_factor=0.2)) for c in small}
+        rw_plan = EmbeddingShardingPlanner(topology=topology(), constraints=rw).collective_plan(fresh(small), [ours], pg)
+        dmp = DistributedModelParallel(fresh(small), device=DEV, plan=rw_plan, sharders=[ours])
+        out = train(ProactiveTrainPipeline(dmp, optimizer_for(dmp), DEV, prefetch_depth=2), batches(small, 3, rank))
+        res["row_wise_plan"] = sorted({ps.sharding_type for ps in rw_plan.plan["sparse"].values()})
+        res["row_wise_steps"] = len(out)
+    except Exception as e:
+        res["row_wise_error"] = err(e)
     try:
         EmbeddingShardingPlanner(topology=topology()).plan(fresh(small), [ours])  # what DMP runs (collectively)
         dmp = DistributedModelParallel(fresh(small), device=DEV, sharders=[ours])
@@ -318,9 +328,13 @@ def check_mean_pooling(rank: int, world_size: int, shardings: List[str]) -> Dict
     return res
 
 
-def check_model_shapes(rank: int, world_size: int, shardings: List[str]) -> Dict[str, Any]:
+def check_model_shapes(rank: int, world_size: int, shardings: List[str], weighted_kjt: bool = False) -> Dict[str, Any]:
     """Mixed dims, one table serving two features, sum and mean pooling, int32 ids, a cache
-    smaller than a batch: vs stock and bit-identical across depths, per sharding type."""
+    smaller than a batch: vs stock and bit-identical across depths, per sharding type.
+
+    ``weighted_kjt``: the KJT also carries per-id weights although the EBC is unweighted.
+    Stock's sharded EBC hands them to FBGEMM, which weighs the sums and the means (a mean
+    is ``sum(w * row) / length``); ours must do the same."""
     configs = [
         EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=300, feature_names=["f0", "f0b"]),
         EmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=200, feature_names=["f1"],
@@ -331,8 +345,12 @@ def check_model_shapes(rank: int, world_size: int, shardings: List[str]) -> Dict
     data = []
     for b in batches(configs, 4, rank):
         kjt = b.sparse_features
+        weights = None
+        if weighted_kjt:
+            g = torch.Generator().manual_seed(int(kjt.values().sum()))
+            weights = torch.rand(kjt.values().numel(), generator=g) + 0.5
         ids32 = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().to(torch.int32),
-                                  lengths=kjt.lengths().to(torch.int32))
+                                  lengths=kjt.lengths().to(torch.int32), weights=weights)
         data.append(Batch(dense_features=b.dense_features, sparse_features=ids32, labels=b.labels))
     res = {}
     for sharding in shardings:
@@ -348,6 +366,11 @@ def check_model_shapes(rank: int, world_size: int, shardings: List[str]) -> Dict
             "bitwise_across_depths": out_diff(runs[0][0], runs[2][0]) == 0.0 and max_diff(runs[0][1], runs[2][1]) == 0.0,
         }
     return res
+
+
+def check_model_shapes_weighted_kjt(rank: int, world_size: int, shardings: List[str]) -> Dict[str, Any]:
+    """``check_model_shapes`` with per-id weights on the KJT of the unweighted EBC."""
+    return check_model_shapes(rank, world_size, shardings, weighted_kjt=True)
 
 
 def check_two_ebcs_one_kjt(rank: int, world_size: int) -> Dict[str, Any]:

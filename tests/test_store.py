@@ -170,6 +170,37 @@ def test_update_rules_match_fbgemm_cpu_tbe(optim):
         )
 
 
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_weighted_bags_match_fbgemm_cpu_tbe(pooling):
+    """Per-id weights with either pooling, forward and fused update, against FBGEMM's CPU
+    TBE (a weighted mean is sum(w * row) / length there, and stock TorchRec hands a KJT's
+    weights to it for mean-pooled tables too)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(ROWS, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.1, eps=1e-3, pooling_mode=PoolingMode.MEAN if pooling == "mean" else PoolingMode.SUM,
+    )
+    init = tbe.split_embedding_weights()[0].detach().clone()
+    cfg = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1, eps=1e-3)
+    table = TieredTable("t", init.clone(), cfg, num_slots=60)
+    batches = [(v, o, p.requires_grad_(), g) for v, o, p, g in zipf_batches(8, seed=13, weighted=True)]
+    outs = train_store(table, FetchEngine(InlineTransport()), batches, depth=1, mode=pooling)
+    for out, (values, offsets, psw, grad) in zip(outs, batches):
+        tbe_psw = psw.detach().clone().requires_grad_()
+        want = tbe(values, offsets, per_sample_weights=tbe_psw)
+        torch.testing.assert_close(out, want.detach(), rtol=1e-5, atol=1e-6)
+        want.backward(grad)
+        torch.testing.assert_close(psw.grad, tbe_psw.grad, rtol=1e-5, atol=1e-6)
+    FetchEngine().flush([table])
+    torch.testing.assert_close(table.host_weight, tbe.split_embedding_weights()[0].detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_emulated_link_gives_same_result_as_inline():
     batches = zipf_batches(10, seed=5)
     init = torch.randn(ROWS, DIM)
@@ -227,6 +258,23 @@ def test_capacity_error_names_depth_that_fits():
     table.plan(torch.arange(10, 20))
     with pytest.raises(CacheCapacityError, match=r"prefetch_depth=2.*prefetch_depth <= 1 would fit"):
         table.plan(torch.arange(20, 30), depth_hint=2)
+
+
+def test_capacity_message_adds_up():
+    # Found by a user trial: "162 rows must be resident (57 rows for this batch, 113 slots
+    # pinned ...)" did not add up, because the batch's own hits are among the pinned slots.
+    import re
+
+    table = TieredTable("emb", torch.randn(100, 4), OptimizerConfig(), num_slots=25)
+    table.plan(torch.arange(10))
+    table.plan(torch.arange(10, 20))
+    with pytest.raises(CacheCapacityError) as info:
+        table.plan(torch.arange(15, 30))  # 5 hits (pinned by the second batch too), 10 misses
+    m = re.search(r"(\d+) rows must be resident at once: this batch's (\d+) missing rows beside (\d+) slots held by "
+                  r"2 in-flight batch\(es\) - (\d+) of them this batch's own cached rows", str(info.value))
+    assert m, str(info.value)
+    needed, missing, held, own = map(int, m.groups())
+    assert (missing, held, own) == (10, 20, 5) and needed == missing + held
 
 
 @pytest.mark.parametrize("bad", [-1, 100, 12345])

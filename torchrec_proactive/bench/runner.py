@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("outputs")
     out.add_argument("--quick", action="store_true",
                      help="small model, few steps: at most 4 tables x 20k rows, batch 256, 4 + 10 steps, depths "
-                          "1,2,4 and 1 round unless --rounds is given (a minute or two)")
+                          "1,2,4 and 1 round unless --rounds is given (10-30 s; a smoke test, too short for ratios)")
     out.add_argument("--json", type=Path, metavar="PATH",
                      help="write the JSON report here ('-': to stdout, the summary then goes to stderr); "
                           "default: no JSON")

@@ -125,6 +125,12 @@ def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torc
         # gather is several times cheaper than embedding_bag.
         pooled = weight.index_select(0, batch.slot_ids)
         return pooled if per_sample_weights is None else pooled * per_sample_weights.unsqueeze(1)
+    if batch.mode == "mean" and per_sample_weights is not None:
+        # FBGEMM's weighted mean, which stock TorchRec computes whenever a KJT with weights
+        # reaches a mean-pooled table: sum(w * row) / length (F.embedding_bag weighs sums only).
+        summed = F.embedding_bag(batch.slot_ids, weight, batch.offsets, mode="sum",
+                                 per_sample_weights=per_sample_weights, include_last_offset=True)
+        return summed / batch.lengths.clamp(min=1).unsqueeze(1).to(summed.dtype)  # type: ignore[union-attr]
     return F.embedding_bag(
         batch.slot_ids, weight, batch.offsets, mode=batch.mode,
         per_sample_weights=per_sample_weights, include_last_offset=True,
@@ -138,7 +144,11 @@ def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Te
         g = grad_out  # one value per bag (a mean over one value divides by 1)
     else:
         g = grad_out.index_select(0, batch.bag_of_value)
-        if batch.mode == "mean":
+        # A mean divides a bag's gradient by its length - except for weighted bags on CPU:
+        # FBGEMM's CPU backward weighs their gradient by the weight alone (its CUDA backward
+        # divides by the length as well). Stock TorchRec runs whichever kernel the device
+        # has; following the same rule keeps swapping the sharder a no-op on either.
+        if batch.mode == "mean" and (psw is None or g.device.type != "cpu"):
             lengths = batch.lengths[batch.bag_of_value]  # type: ignore[index]
             g = g / lengths.clamp(min=1).unsqueeze(1).to(g.dtype)
     grad_psw = None
@@ -218,9 +228,6 @@ def pooled_lookup_group(
     """
     batches = list(batches)
     weights = list(per_sample_weights) if per_sample_weights is not None else [None] * len(batches)
-    for b, w in zip(batches, weights):
-        if w is not None and b.mode != "sum":
-            raise InvalidInputError(f"table '{b.table.name}': per-sample weights need 'sum' pooling")
     if train and torch.is_grad_enabled():
         psw_inputs = [w for w in weights if w is not None]
         return list(_GroupLookup.apply(anchor, batches, weights, *psw_inputs))

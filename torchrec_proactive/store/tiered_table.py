@@ -409,15 +409,18 @@ class TieredTable:
         self._preload_pending = True
 
     def _raise_capacity(self, n_rows: int, n_miss: int, n_free: int, depth: Optional[int]) -> None:
-        pinned = int((self.pins > 0).sum())
         permanent = int(self.permanent.sum())
-        # Slots that must hold distinct rows at once: this batch's rows, the slots pinned by
-        # other in-flight batches that are not among them, and the permanent hot rows.
-        needed = n_miss + (self.num_slots - n_free)
+        # Slots that must hold distinct rows at once: this batch's misses beside every slot
+        # that cannot give way - pinned by an in-flight batch (this batch's own hits were
+        # pinned first, so they are among them) or holding a permanently hot row.
+        held = self.num_slots - n_free
+        needed = n_miss + held
         msg = (
-            f"table '{self.name}': the device cache has {self.num_slots} slots but "
-            f"{needed} rows must be resident at once ({n_rows} rows for this batch, "
-            f"{pinned} slots pinned by {self._in_flight} in-flight batch(es), {permanent} permanently hot)"
+            f"table '{self.name}': the device cache has {self.num_slots} slots but {needed} rows must be "
+            f"resident at once: this batch's {n_miss} missing rows beside {held} slots held by "
+            f"{self._in_flight} in-flight batch(es)"
+            + (f" or by permanently hot rows ({permanent})" if permanent else "")
+            + f" - {n_rows - n_miss} of them this batch's own cached rows"
         )
         if depth is not None:
             fits = max(self.num_slots - permanent, 0) // max(n_rows, 1) - 1
