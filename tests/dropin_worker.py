@@ -289,16 +289,6 @@ def check_planner(rank: int, world_size: int) -> Dict[str, Any]:
         res["unconstrained_error"] = err(e)
     small = tables(2, dim=8)
     ours = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(SGD))
-    try:  # row-wise on CPU, which stock's sharder does not offer there: planned, sharded, trained
-        rw = {c.name: ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused_uvm_caching"],
-                                           cache_params=CacheParams(load_factor=0.2)) for c in small}
-        rw_plan = EmbeddingShardingPlanner(topology=topology(), constraints=rw).collective_plan(fresh(small), [ours], pg)
-        dmp = DistributedModelParallel(fresh(small), device=DEV, plan=rw_plan, sharders=[ours])
-        out = train(ProactiveTrainPipeline(dmp, optimizer_for(dmp), DEV, prefetch_depth=2), batches(small, 3, rank))
-        res["row_wise_plan"] = sorted({ps.sharding_type for ps in rw_plan.plan["sparse"].values()})
-        res["row_wise_steps"] = len(out)
-    except Exception as e:
-        res["row_wise_error"] = err(e)
     try:
         EmbeddingShardingPlanner(topology=topology()).plan(fresh(small), [ours])  # what DMP runs (collectively)
         dmp = DistributedModelParallel(fresh(small), device=DEV, sharders=[ours])

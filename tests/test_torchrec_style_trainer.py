@@ -25,12 +25,25 @@ def _run(out: Path, *args: str) -> dict:
 
 
 def _params(out: Path) -> dict:
-    return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
+    """Both ranks' losses and the whole model (sharded tables assembled from their shards)."""
+    files = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    params: dict = {}
+    for f in files:
+        for k, v in f["params"].items():
+            if isinstance(v, dict):
+                full = params.setdefault(k, torch.full(v["size"], float("nan")))
+                for offsets, t in v["shards"]:
+                    full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+            else:
+                params[k] = v  # replicated (dense or data-parallel): every rank holds all of it
+    assert all(not bool(t.isnan().any()) for t in params.values()), "some rows were in no rank's shards"
+    return {"params": params, "losses": [f["losses"] for f in files]}
 
 
 def _max_diff(a: dict, b: dict) -> float:
-    diffs = [float((a[r]["params"][k] - b[r]["params"][k]).abs().max()) for r in a for k in a[r]["params"]]
-    return max(diffs + [max(abs(x - y) for x, y in zip(a[r]["losses"], b[r]["losses"])) for r in a])
+    assert a["params"].keys() == b["params"].keys()
+    diffs = [float((a["params"][k] - b["params"][k]).abs().max()) for k in a["params"]]
+    return max(diffs + [max(abs(x - y) for x, y in zip(la, lb)) for la, lb in zip(a["losses"], b["losses"])])
 
 
 def test_two_line_swap_matches_stock_and_checkpoints_interoperate(tmp_path):

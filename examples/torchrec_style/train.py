@@ -127,8 +127,14 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=ckpt)
     if rank == 0:
         json.dump({"step": step0 + len(losses)}, open(os.path.join(ckpt, "step.json"), "w"))
-    local = {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).detach().clone()
-             for k, v in model.state_dict().items() if not hasattr(v, "local_shards") or v.local_shards()}
+    # This rank's shards with their place in the global table, so that runs whose plans differ
+    # (stock and proactive planners may shard a table differently) compare as whole tables.
+    local = {
+        k: {"size": tuple(v.size()),
+            "shards": [(tuple(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in v.local_shards()]}
+        if hasattr(v, "local_shards") else v.detach().clone()
+        for k, v in model.state_dict().items()
+    }
     torch.save({"losses": losses, "evals": evals, "params": local}, os.path.join(args.out, f"rank{rank}.pt"))
     if rank == 0:
         print(json.dumps({"proactive": args.proactive, "steps": len(losses), "final_loss": losses[-1],

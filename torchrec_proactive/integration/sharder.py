@@ -72,21 +72,10 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             debug_checks=debug_checks,
         )
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        """Stock's sharding types, plus the ones proactive tables support that stock leaves
-        out on this device (row- and table-row-wise on CPU). ``compute_kernels`` offers
-        only ``fused_uvm_caching`` for those, so stock-kernel tables keep stock's choices."""
-        types = list(super().sharding_types(compute_device_type))
-        return types + sorted(_SUPPORTED_SHARDING - set(types))
-
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         """Stock's kernels, with ``fused_uvm_caching`` offered exactly for the sharding types
-        proactive tables support (so the planner never picks a placement ``shard`` refuses);
-        for a sharding type stock does not offer on this device, only ``fused_uvm_caching``."""
-        if sharding_type in super().sharding_types(compute_device_type):
-            kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type) if k != _CACHED]
-        else:
-            kernels = []
+        proactive tables support (so the planner never picks a placement ``shard`` refuses)."""
+        kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type) if k != _CACHED]
         if sharding_type in _SUPPORTED_SHARDING:
             kernels.append(_CACHED)
         return kernels
