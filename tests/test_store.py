@@ -270,11 +270,16 @@ def test_capacity_message_adds_up():
     table.plan(torch.arange(10, 20))
     with pytest.raises(CacheCapacityError) as info:
         table.plan(torch.arange(15, 30))  # 5 hits (pinned by the second batch too), 10 misses
-    m = re.search(r"(\d+) rows must be resident at once: this batch's (\d+) missing rows beside (\d+) slots held by "
-                  r"2 in-flight batch\(es\) - (\d+) of them this batch's own cached rows", str(info.value))
+    m = re.search(r"(\d+) rows must be resident at once: this batch's (\d+) missing rows and (\d+) slots that "
+                  r"cannot give way \(pinned by 2 in-flight batch\(es\) or by this batch's (\d+) cached rows\)",
+                  str(info.value))
     assert m, str(info.value)
     needed, missing, held, own = map(int, m.groups())
     assert (missing, held, own) == (10, 20, 5) and needed == missing + held
+    # With nothing in flight, the batch alone is too big: said so, with no talk of pins.
+    alone = TieredTable("emb", torch.randn(100, 4), OptimizerConfig(), num_slots=5)
+    with pytest.raises(CacheCapacityError, match=r"this batch alone misses 10 rows but the device cache has 5 slots"):
+        alone.plan(torch.arange(10))
 
 
 @pytest.mark.parametrize("bad", [-1, 100, 12345])

@@ -5,6 +5,12 @@ Usage::
     torchrec-proactive bench [--quick] [--json out.json] [--timeline out/] [--scaling out/]
                              [--sweep-bandwidth 0.05,0.1,0.2] [--world-size 2]
 
+Configurations (same model, data and initial weights): ``resident`` (stock TorchRec, every
+row in device memory), ``reactive`` (depth 0), ``depth_k`` for each ``--depths`` entry,
+``auto`` (the depth the trainer's ``prefetch=auto`` rule picks), ``cache100`` (a 100% cache:
+the store's own overhead) and ``cache1_reactive`` / ``cache1`` (a 1% cache, at depth 0 and at
+the deepest depth).
+
 On CPU the host-to-device link is an *emulated* copy engine (``link.kind == "emulated"``)
 whose bandwidth is calibrated, unless given, so that one step's cold fetch costs
 ``--target-fetch-fraction`` of a resident step. Every figure in the output says so.
@@ -445,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--zipf-alpha", type=float_above(0.0), default=1.05, metavar="A",
                    help="Zipf skew of the sparse ids")
     w.add_argument("--cache-load-factor", type=float_in(0.0, 1.0), default=0.05, metavar="F",
-                   help="device cache size as a fraction of each table's rows")
+                   help="device cache size as a fraction of each local shard's rows")
     m = p.add_argument_group("measurement")
     m.add_argument("--depths", type=comma_list(int_at_least(1), "integers >= 1"), default="1,2,4,8",
                    metavar="K,...", help="proactive prefetch depths (reactive, depth 0, always runs)")

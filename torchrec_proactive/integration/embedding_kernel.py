@@ -351,9 +351,11 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             warnings.warn(
                 f"tables {self.table_names()}: one batch needs {batch.plan.num_rows} distinct rows but the device "
                 f"cache has {self.store.num_slots} slots; {batch.plan.num_overflow} rows were served from the host "
-                f"tier (exact, but on the critical path). A cache of at least {batch.plan.num_rows} slots for such a "
-                f"batch (CacheParams.load_factor >= {load_factor_text(batch.plan.num_rows, self.store.num_rows)} of the "
-                f"{self.store.num_rows} rows on this rank; more with prefetch) avoids it.",
+                f"tier (exact, but on the critical path; said once per table group). A cache of at least "
+                f"{batch.plan.num_rows} slots (CacheParams.load_factor >= "
+                f"{load_factor_text(batch.plan.num_rows, self.store.num_rows)} of the {self.store.num_rows} rows this "
+                f"store holds on this rank) serves this batch; batches with more distinct rows and prefetching need "
+                f"more.",
                 stacklevel=2,
             )
         return PlannedGroup(self, batch, stride, int(values.numel()), weights, sample_major)

@@ -349,7 +349,18 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         return len(self.batches)
 
     def stats(self) -> Dict[str, float]:
-        """Cumulative fetch statistics summed over this rank's proactive modules."""
+        """Cumulative fetch statistics summed over this rank's proactive modules.
+
+        Keys: ``batches`` (one per step for each module with proactive shards on this rank),
+        ``stall_s`` (seconds lookups waited for their rows), ``rows_requested`` (distinct rows
+        per batch, summed), ``hits``, ``hit_rate`` (``hits / rows_requested``; preloaded rows
+        count as hits), ``rows_fetched`` (host -> cache), ``rows_written_back``, ``bytes_moved``
+        (fetches and write-backs, optimizer state included; host-tier reads of overflow rows
+        are not moves), ``deferred_batches`` (prefetches that waited for pins, per module),
+        ``overflow_rows`` (rows served from the host tier), ``plan_s`` / ``plan_cpu_s``
+        (planning wall / CPU seconds). On CPU without an emulated link (``link=None``) fetches
+        are in-process copies, so ``stall_s`` stays near 0 even at depth 0.
+        """
         total: Dict[str, float] = {}
         for module in self._proactive_modules:
             for key, value in module.proactive_stats.snapshot().items():

@@ -425,10 +425,10 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._warned_deferral = True
         warnings.warn(
             f"{self._module_fqn or 'embedding module'}: the rows of batch {index} do not fit in the device cache "
-            f"beside those of the batches ahead of it, so its fetch waits until their updates release them, at the "
-            f"latest until its own lookup, where rows that still do not fit are served from the host tier (its "
-            f"effective prefetch depth drops; training stays exact; counted in deferred_batches). "
-            f"{why}",
+            f"now, so its fetch waits until batches ahead of it release their rows, at the latest until its own "
+            f"lookup, where rows that still do not fit are served from the host tier (its effective prefetch depth "
+            f"drops; training stays exact; counted in deferred_batches; said once per module, for the first table "
+            f"found short). {why}",
             stacklevel=3,
         )
 

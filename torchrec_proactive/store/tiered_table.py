@@ -415,20 +415,26 @@ class TieredTable:
         # pinned first, so they are among them) or holding a permanently hot row.
         held = self.num_slots - n_free
         needed = n_miss + held
-        msg = (
-            f"table '{self.name}': the device cache has {self.num_slots} slots but {needed} rows must be "
-            f"resident at once: this batch's {n_miss} missing rows beside {held} slots held by "
-            f"{self._in_flight} in-flight batch(es)"
-            + (f" or by permanently hot rows ({permanent})" if permanent else "")
-            + f" - {n_rows - n_miss} of them this batch's own cached rows"
-        )
+        if held == 0:
+            msg = (f"table '{self.name}': this batch alone misses {n_miss} rows but the device cache has "
+                   f"{self.num_slots} slots")
+        else:
+            own = n_rows - n_miss  # this batch's hits: pinned before the victims were sought
+            msg = (
+                f"table '{self.name}': the device cache has {self.num_slots} slots but {needed} rows must be "
+                f"resident at once: this batch's {n_miss} missing rows and {held} slots that cannot give way "
+                f"(pinned by {self._in_flight} in-flight batch(es)"
+                + (f" or by this batch's {own} cached rows" if own else "")
+                + (f", or holding {permanent} permanently hot rows" if permanent else "")
+                + ")"
+            )
         if depth is not None:
             fits = max(self.num_slots - permanent, 0) // max(n_rows, 1) - 1
             want = (depth + 1) * n_rows
             msg += (
                 f"; with prefetch_depth={depth} about {want} slots are needed (depth + 1 batches of "
                 f"~{n_rows} rows: CacheParams.load_factor >= {load_factor_text(want, self.num_rows)} of the {self.num_rows} "
-                f"rows here). "
+                f"rows this store holds on this rank). "
                 + (
                     f"prefetch_depth <= {fits} would fit this cache"
                     if fits >= 0
