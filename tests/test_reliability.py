@@ -90,6 +90,8 @@ def test_bad_id_is_refused_before_it_is_sent_and_training_continues(sharding, va
     for res in run_ranks(rw.bad_ids, world_size=2, sharding=sharding, value=value):
         assert res["error"] is not None and "IdOutOfRangeError" in res["error"]
         assert f"id {value} is out of range [0, 300)" in res["error"] and "table 't1'" in res["error"]
+        # which batch: the pipeline reads batches ahead of the one it trains (a user trial)
+        assert "the pipeline's batch 3 (counted from 0" in res["error"], res["error"]
         assert res["continued"] == 3 and res["params_intact"]
 
 

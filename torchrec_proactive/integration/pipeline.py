@@ -36,7 +36,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSpa
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
 from ..fetch import FetchFailedError
-from ..store import InvalidInputError, StoreStateError
+from ..store import IdOutOfRangeError, InvalidInputError, StoreStateError
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 from .tracing import PipelineTracer
 
@@ -153,7 +153,8 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         """Starts and launches the input all-to-all of ``self.batches[i]`` (both halves)."""
         ctx = self.contexts[i]
         t0 = time.perf_counter()
-        self.start_sparse_data_dist(self.batches[i], ctx)
+        with _naming_batch(ctx.index):
+            self.start_sparse_data_dist(self.batches[i], ctx)
         self.tracer.open("data_dist", ctx.index, t0)
 
     def _prefetch(self, i: int) -> None:
@@ -199,7 +200,8 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         if not self.enqueue_batch(dataloader_iter):
             return
         t0 = time.perf_counter()
-        self._init_pipelined_modules(self.batches[0], self.contexts[0], self._pipelined_forward_type)
+        with _naming_batch(self.contexts[0].index):  # (this starts batch 0's input all-to-all)
+            self._init_pipelined_modules(self.batches[0], self.contexts[0], self._pipelined_forward_type)
         self._configure_modules()
         self.tracer.open("data_dist", self.contexts[0].index, t0)
         self.wait_sparse_data_dist(self.contexts[0])
@@ -218,8 +220,8 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         """
         if self._failure is not None:
             raise StoreStateError(
-                f"the pipeline stopped on an error in an earlier progress() call ({self._failure!r}); "
-                f"call pipeline.reset() to release its in-flight batches before calling progress() again"
+                f"call pipeline.reset() to release its in-flight batches before calling progress() again: "
+                f"the pipeline stopped on an error in an earlier progress() call ({self._failure!r})"
             )
         try:
             return self._progress(dataloader_iter)
@@ -368,3 +370,15 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         if total.get("rows_requested"):
             total["hit_rate"] = total["hits"] / total["rows_requested"]
         return total
+
+
+@contextlib.contextmanager
+def _naming_batch(index: int) -> Iterator[None]:
+    """Says which dataloader batch bad input came from: the pipeline reads ``k + 1`` batches
+    ahead of the one it trains, so "this batch" would not tell the user which one."""
+    try:
+        yield
+    except (IdOutOfRangeError, InvalidInputError) as e:  # raised before any collective started
+        raise type(e)(
+            f"the pipeline's batch {index} (counted from 0 since the pipeline started or was last reset): {e}"
+        ) from e
