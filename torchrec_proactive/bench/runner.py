@@ -271,7 +271,8 @@ def format_table(report: Dict[str, Any]) -> str:
         lines.append(f"auto chose depth {report['auto_depth']}")
     if noise:
         lines.append(f"±%: half-width of each rate's interval; {noise['method']}")
-    lines.append("plan ms / cpu ms: planning per step, wall time and the planning thread's CPU time (planning overlaps the output all-to-all); deferred: prefetches per step that waited for pins; "
+    lines.append("plan ms / cpu ms: planning per step, wall time and the planning thread's CPU time (planning "
+                 "overlaps the output all-to-all); deferred: prefetches per step that waited for pins; "
                  "overflow: rows per step served from the host tier (cache smaller than one batch)")
     return "\n".join(lines)
 

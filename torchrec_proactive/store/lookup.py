@@ -125,16 +125,16 @@ def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torc
         # gather is several times cheaper than embedding_bag.
         pooled = weight.index_select(0, batch.slot_ids)
         return pooled if per_sample_weights is None else pooled * per_sample_weights.unsqueeze(1)
-    if batch.mode == "mean" and per_sample_weights is not None:
-        # FBGEMM's weighted mean, which stock TorchRec computes whenever a KJT with weights
-        # reaches a mean-pooled table: sum(w * row) / length (F.embedding_bag weighs sums only).
-        summed = F.embedding_bag(batch.slot_ids, weight, batch.offsets, mode="sum",
-                                 per_sample_weights=per_sample_weights, include_last_offset=True)
-        return summed / batch.lengths.clamp(min=1).unsqueeze(1).to(summed.dtype)  # type: ignore[union-attr]
-    return F.embedding_bag(
-        batch.slot_ids, weight, batch.offsets, mode=batch.mode,
+    # FBGEMM's weighted mean, which stock TorchRec computes whenever a KJT with weights
+    # reaches a mean-pooled table, is sum(w * row) / length; F.embedding_bag weighs sums only.
+    weighted_mean = batch.mode == "mean" and per_sample_weights is not None
+    pooled = F.embedding_bag(
+        batch.slot_ids, weight, batch.offsets, mode="sum" if weighted_mean else batch.mode,
         per_sample_weights=per_sample_weights, include_last_offset=True,
     )
+    if weighted_mean:
+        pooled = pooled / batch.lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)  # type: ignore[union-attr]
+    return pooled
 
 
 def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Tensor], want_psw_grad: bool):
