@@ -139,11 +139,8 @@ def test_mean_pooling_matches_embedding_bag():
     torch.testing.assert_close(table.host_weight, ref.weight, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "optim", [OptimType.EXACT_SGD, OptimType.EXACT_ADAGRAD, OptimType.EXACT_ROWWISE_ADAGRAD]
-)
-def test_update_rules_match_fbgemm_cpu_tbe(optim):
-    """Same batches through FBGEMM's CPU TBE and through the store give the same table."""
+def _cpu_tbe(optim: OptimType, pooling: str = "sum"):
+    """FBGEMM's CPU TBE over one ROWS x DIM table (lr 0.1, eps 1e-3): the kernel stock uses."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -151,10 +148,18 @@ def test_update_rules_match_fbgemm_cpu_tbe(optim):
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(ROWS, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=EmbOptimType(optim.value), learning_rate=0.1, eps=1e-3, pooling_mode=PoolingMode.SUM,
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(ROWS, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType(optim.value),
+        learning_rate=0.1, eps=1e-3, pooling_mode=PoolingMode.MEAN if pooling == "mean" else PoolingMode.SUM,
     )
+
+
+@pytest.mark.parametrize(
+    "optim", [OptimType.EXACT_SGD, OptimType.EXACT_ADAGRAD, OptimType.EXACT_ROWWISE_ADAGRAD]
+)
+def test_update_rules_match_fbgemm_cpu_tbe(optim):
+    """Same batches through FBGEMM's CPU TBE and through the store give the same table."""
+    tbe = _cpu_tbe(optim)
     init = tbe.split_embedding_weights()[0].detach().clone()
     cfg = OptimizerConfig(optim, learning_rate=0.1, eps=1e-3)
     table = TieredTable("t", init.clone(), cfg, num_slots=60)
@@ -175,17 +180,7 @@ def test_weighted_bags_match_fbgemm_cpu_tbe(pooling):
     """Per-id weights with either pooling, forward and fused update, against FBGEMM's CPU
     TBE (a weighted mean is sum(w * row) / length there, and stock TorchRec hands a KJT's
     weights to it for mean-pooled tables too)."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(ROWS, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=0.1, eps=1e-3, pooling_mode=PoolingMode.MEAN if pooling == "mean" else PoolingMode.SUM,
-    )
+    tbe = _cpu_tbe(OptimType.EXACT_ROWWISE_ADAGRAD, pooling)
     init = tbe.split_embedding_weights()[0].detach().clone()
     cfg = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1, eps=1e-3)
     table = TieredTable("t", init.clone(), cfg, num_slots=60)
