@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -401,45 +402,48 @@ def test_preloaded_rows_count_as_hits_not_misses():
 
 
 def test_victim_window_falls_back_to_the_whole_cache_and_wraps():
-    from torchrec_proactive.store.eviction import MIN_WINDOW, EvictionPolicy, SlotRanking
+    from torchrec_proactive.store.eviction import MIN_WINDOW, WINDOW_FACTOR, EvictionPolicy, SlotRanking
 
     slots = 4 * MIN_WINDOW
     ranking = SlotRanking(EvictionPolicy.LRU, slots, 10 * slots)
-    pins = torch.zeros(slots, dtype=torch.int32)
-    permanent = torch.zeros(slots, dtype=torch.bool)
-    slot_to_row = torch.arange(slots)
+    # The ranking works on NumPy views of the store's tensors, as the store hands them.
+    pins = np.zeros(slots, dtype=np.int32)
+    permanent = np.zeros(slots, dtype=bool)
+    slot_to_row = np.arange(slots)
     # The first window [0, MIN_WINDOW) is pinned but for 3 slots: 10 victims still come
     # back, from the rest of the cache, and none of them is pinned.
     pins[:MIN_WINDOW] = 1
     pins[[5, 7, 9]] = 0
     victims = ranking.pick_victims(10, pins, permanent, slot_to_row)
-    assert victims.numel() == 10 and int(pins[victims].sum()) == 0
-    assert victims.unique().numel() == 10
+    assert victims.shape == (10,) and int(pins[victims].sum()) == 0
+    assert np.unique(victims).shape == (10,)
     # Only 4 evictable slots in the whole cache: all of them, and no more.
-    pins.fill_(1)
+    pins.fill(1)
     pins[[1, 2000, 3000, slots - 1]] = 0
     assert sorted(ranking.pick_victims(10, pins, permanent, slot_to_row).tolist()) == [1, 2000, 3000, slots - 1]
     # The hand moves on by one window per search and wraps around the end of the cache.
-    pins.zero_()
+    pins.fill(0)
     ranking = SlotRanking(EvictionPolicy.LRU, slots, 10 * slots)
-    n = 300  # window 4 * 300 = 1200 slots: the fourth window wraps
+    n = 1200 // WINDOW_FACTOR  # a window of 1200 slots: the fourth one wraps
     windows = [(0, 1200), (1200, 2400), (2400, 3600)]
     for lo, hi in windows:
         v = ranking.pick_victims(n, pins, permanent, slot_to_row)
-        assert v.numel() == n and bool(((v >= lo) & (v < hi)).all()), (lo, hi)
+        assert v.shape == (n,) and bool(((v >= lo) & (v < hi)).all()), (lo, hi)
     v = ranking.pick_victims(n, pins, permanent, slot_to_row)
-    assert v.numel() == n and bool(((v >= 3600) | (v < 1200 - (slots - 3600))).all())
+    assert v.shape == (n,) and bool(((v >= 3600) | (v < 1200 - (slots - 3600))).all())
 
 
 def test_sampled_lru_keeps_the_hit_rate_of_exact_lru():
     import torchrec_proactive.store.eviction as eviction
 
     g = torch.Generator().manual_seed(0)
-    probs = torch.arange(1, 20_001, dtype=torch.float64).pow(-1.05)
-    batches = [torch.multinomial(probs, 512, replacement=True, generator=g) for _ in range(120)]
+    probs = torch.arange(1, 50_001, dtype=torch.float64).pow(-1.05)
+    batches = [torch.multinomial(probs, 2048, replacement=True, generator=g) for _ in range(120)]
 
-    def hit_rate() -> float:
-        table = TieredTable("t", torch.zeros(20_000, 4), OptimizerConfig(), num_slots=1000)
+    def hit_rate() -> "tuple[float, int]":
+        # A cache several windows large (a batch misses ~1000 rows of 5000 slots), so
+        # that the sampled search really samples.
+        table = TieredTable("t", torch.zeros(50_000, 4), OptimizerConfig(), num_slots=5000)
         queue = []
         for i, values in enumerate(batches):
             rows, _ = unique_rows(values)
@@ -448,13 +452,14 @@ def test_sampled_lru_keeps_the_hit_rate_of_exact_lru():
             queue.append(table.plan(rows))
             if len(queue) > 3:
                 table.release(queue.pop(0))
-        return table.stats.hit_rate()
+        return table.stats.hit_rate(), table.ranking._hand
 
-    sampled = hit_rate()
+    sampled, hand = hit_rate()
+    assert hand != 0, "the victim windows never moved: the test did not sample"
     old = eviction.MIN_WINDOW
     eviction.MIN_WINDOW = 10**9  # a window as large as the cache: exact LRU
     try:
-        exact = hit_rate()
+        exact, _ = hit_rate()
     finally:
         eviction.MIN_WINDOW = old
     assert 0.2 < exact < 0.95 and sampled >= exact - 0.02, (sampled, exact)

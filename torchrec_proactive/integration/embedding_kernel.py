@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -157,13 +158,12 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             segments=_segments(tables),
         )
         # Per feature (in the group's KJT order): where its table's rows start in the store.
-        self._feature_start = torch.tensor(
+        self._feature_start = np.array(
             [seg.start for seg, t in zip(self.store.segments, tables) for _ in range(t.num_features())],
-            dtype=torch.int64,
+            dtype=np.int64,
         )
         self._single_table_at_zero = len(tables) == 1
-        self._num_features = int(self._feature_start.numel())
-        self._block_starts_by_stride: Dict[int, torch.Tensor] = {}
+        self._num_features = int(self._feature_start.shape[0])
         self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
@@ -319,30 +319,36 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # Ids were checked against their table's size in the sharded module's input dist,
         # before bucketisation (where the error can still name the sample), so here they
         # only need moving into the store's row space; the store refuses rows outside it.
-        ids = values.to(torch.int64).cpu()
-        per_feature = features.length_per_key()
-        # Every feature has `stride` ids: feature f's ids are the f-th block of `stride`.
-        blocks = stride > 0 and all(n == stride for n in per_feature)
-        # ... and no bag is empty: then every bag holds exactly one id (Criteo's shape).
-        one_per_bag = blocks and int(features.lengths().min()) >= 1
-        if self._single_table_at_zero:
-            rows = ids
-        elif blocks:
-            rows = ids + self._block_starts(stride)
-        else:
-            rows = ids + self._feature_start.repeat_interleave(
-                torch.tensor(per_feature, dtype=torch.int64), output_size=ids.numel())
+        # (Host-side index arithmetic in NumPy: a few small vector ops, cheaper than torch's.)
+        ids = values.cpu().numpy()  # int32 or int64; a view unless the ids are on an accelerator
+        num_features = self._num_features
+        # As many ids as bags and no bag empty: every bag holds exactly one id (Criteo's
+        # shape), so feature f's ids are the f-th block of `stride`.
+        lengths = features.lengths()
+        num_ids = ids.shape[0]
+        one_per_bag = 0 < num_ids == lengths.numel() and int(lengths.cpu().numpy().min()) >= 1
+        per_feature: List[int] = [] if one_per_bag else features.length_per_key()
+        # Otherwise the ids may still come in blocks of `stride` per feature.
+        blocks = one_per_bag or (stride > 0 and all(n == stride for n in per_feature))
         # One id per bag and several features: hand the store the ids sample by sample
         # (value f * B + b of TorchRec's feature-major order goes to b * F + f), so that the
         # pooled rows come out in TorchRec's [B, sum(dims)] layout with no transpose in
         # forward or backward. Done before planning: the plan's lookup recipe is then in
         # that order already. The sums per row run in the new order: deterministic.
-        sample_major = one_per_bag and self._num_features > 1
+        sample_major = one_per_bag and num_features > 1
         if sample_major:
-            order = self._sample_major_order(stride)
-            rows = rows.index_select(0, order)  # (cheaper than a transposed copy)
+            # The transpose and the offset into the store's row space in one pass.
+            rows = np.empty((stride, num_features), dtype=np.int64)
+            np.add(ids.reshape(num_features, stride).T, self._feature_start, out=rows)
             if weights is not None:
-                weights = weights.index_select(0, order.to(weights.device))
+                weights = weights.index_select(0, self._sample_major_order(stride).to(weights.device))
+        elif self._single_table_at_zero:
+            rows = ids.astype(np.int64, copy=False)
+        elif blocks:
+            rows = ids.reshape(num_features, stride) + self._feature_start[:, None]
+        else:
+            rows = ids + np.repeat(self._feature_start, per_feature)
+        rows = torch.from_numpy(rows.reshape(-1))
         batch = plan_table_batch(self.store, rows, features.offsets(), self._mode,
                                  self.prefetch_depth or None, overflow=overflow, checked=True,
                                  one_per_bag=one_per_bag)
@@ -367,14 +373,6 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             order = torch.arange(self._num_features * stride).view(self._num_features, stride).t().reshape(-1)
             self._orders[stride] = order
         return order
-
-    def _block_starts(self, stride: int) -> torch.Tensor:
-        """Per value of a KJT whose features all hold ``stride`` ids: its table's first row."""
-        starts = self._block_starts_by_stride.get(stride)
-        if starts is None:
-            starts = self._feature_start.repeat_interleave(stride)
-            self._block_starts_by_stride[stride] = starts
-        return starts
 
     def unplan(self, planned: PlannedGroup) -> None:
         """Undoes a plan whose fetch was never issued (nothing moved yet): bookkeeping back,

@@ -7,7 +7,7 @@ math, only the hit rate: lookups and updates are defined on rows, not on slots.
 
 Victims are searched in a window of the cache that a clock hand moves around it (sampled
 LRU/LFU, as in Redis; FBGEMM's cache is set-associative for the same reason): a batch costs
-a few tensor ops over about ``WINDOW_FACTOR x`` its misses, not over every slot. Only when a
+a few vector ops over about ``WINDOW_FACTOR x`` its misses, not over every slot. Only when a
 window holds too few evictable slots is the whole cache scanned, so a victim is found
 whenever one exists.
 """
@@ -17,10 +17,11 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
+import numpy as np
 import torch
 
 #: Candidates examined per victim needed (the window size, before clamping to the cache).
-WINDOW_FACTOR = 4
+WINDOW_FACTOR = 2
 #: Smallest window, so that tiny batches still choose among a fair sample.
 MIN_WINDOW = 1024
 
@@ -40,7 +41,11 @@ class EvictionPolicy(str, enum.Enum):
 
 
 class SlotRanking:
-    """Per-slot recency (and per-row frequency for LFU) bookkeeping on the host."""
+    """Per-slot recency (and per-row frequency for LFU) bookkeeping on the host.
+
+    Works on NumPy arrays (the store hands it views of its bookkeeping tensors): a batch's
+    ranking is a handful of small vector ops, where NumPy's per-op cost is a fraction of
+    eager PyTorch's dispatch."""
 
     def __init__(self, policy: EvictionPolicy, num_slots: int, num_rows: int) -> None:
         self.policy = policy
@@ -53,22 +58,24 @@ class SlotRanking:
         self.row_freq: Optional[torch.Tensor] = (
             torch.zeros(num_rows, dtype=torch.int32) if policy is EvictionPolicy.LFU else None
         )
+        self._last_used = self.last_used.numpy()  # views: the tensors stay the owners
+        self._row_freq = None if self.row_freq is None else self.row_freq.numpy()
 
-    def touch(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Records one access of ``rows`` held in ``slots`` (one batch = one tick)."""
+    def touch(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Records one access of ``rows`` (unique) held in ``slots`` (one batch = one tick)."""
         self._tick += 1
-        self.last_used.index_fill_(0, slots, self._tick)
-        if self.row_freq is not None:
-            self.row_freq[rows] += 1
+        self._last_used[slots] = self._tick
+        if self._row_freq is not None:
+            self._row_freq[rows] += 1  # (unique rows: a buffered fancy add is exact)
 
     def pick_victims(
-        self, n: int, pins: torch.Tensor, permanent: Optional[torch.Tensor], slot_to_row: torch.Tensor
-    ) -> torch.Tensor:
-        """Up to ``n`` evictable slots, lowest rank first; exactly ``n`` whenever the cache
-        has that many (fewer means the whole cache was scanned and that is all there is).
-        ``permanent`` may be None when no slot is permanently hot (one mask op fewer)."""
+        self, n: int, pins: np.ndarray, permanent: Optional[np.ndarray], slot_to_row: np.ndarray
+    ) -> np.ndarray:
+        """Up to ``n`` evictable slots (int64), lowest rank first; exactly ``n`` whenever the
+        cache has that many (fewer means the whole cache was scanned and that is all there
+        is). ``permanent`` may be None when no slot is permanently hot (one mask op fewer)."""
         if n == 0:
-            return torch.empty(0, dtype=torch.int64)
+            return np.empty(0, dtype=np.int64)
         size = min(self.num_slots, max(WINDOW_FACTOR * n, MIN_WINDOW))
         if size < self.num_slots:
             start, end = self._hand, self._hand + size
@@ -81,49 +88,62 @@ class SlotRanking:
                 return victims
         return self._lowest_of_all(n, pins, permanent, slot_to_row)
 
-    def _scores(self, pins: torch.Tensor, permanent: Optional[torch.Tensor], slot_to_row: torch.Tensor,
-                start: int, end: int) -> torch.Tensor:
+    def _scores(self, pins: np.ndarray, permanent: Optional[np.ndarray], slot_to_row: np.ndarray,
+                start: int, end: int) -> np.ndarray:
         """Rank of each slot in ``[start, end)``; at least ``_UNEVICTABLE`` for pinned or
         permanent slots."""
-        if self.row_freq is None:
-            # LRU: recency plus _UNEVICTABLE per pin, in one op (ticks stay below it: one
-            # tick per batch; pins count in-flight batches, so the sum cannot overflow).
-            score = torch.add(self.last_used[start:end], pins[start:end], alpha=_UNEVICTABLE)
+        if self._row_freq is None:
+            # LRU: recency plus _UNEVICTABLE per pin (ticks stay below it: one tick per
+            # batch; pins count in-flight batches, so the sum cannot overflow).
+            score = pins[start:end].astype(np.int64)
+            score *= _UNEVICTABLE
+            score += self._last_used[start:end]
             if permanent is not None:
-                score.add_(permanent[start:end], alpha=_UNEVICTABLE)
+                score[permanent[start:end]] += _UNEVICTABLE
             return score
         blocked = pins[start:end] != 0
         if permanent is not None:
             blocked |= permanent[start:end]
         rows = slot_to_row[start:end]
-        freq = self.row_freq.index_select(0, rows.clamp(min=0)).long()
+        freq = self._row_freq[np.maximum(rows, 0)].astype(np.int64)
         # Frequency first, recency breaks ties; empty slots (-1) stay first.
-        score = torch.where(rows >= 0, freq * (self._tick + 2) + self.last_used[start:end] + 1, -1)
-        return score.clamp_(max=_UNEVICTABLE - 1).masked_fill_(blocked, _UNEVICTABLE)
+        score = np.where(rows >= 0, freq * (self._tick + 2) + self._last_used[start:end] + 1, -1)
+        np.minimum(score, _UNEVICTABLE - 1, out=score)
+        score[blocked] = _UNEVICTABLE
+        return score
 
-    def _lowest(self, n: int, pins: torch.Tensor, permanent: Optional[torch.Tensor], slot_to_row: torch.Tensor,
-                start: int, end: int, start2: int = 0, end2: int = 0) -> Optional[torch.Tensor]:
+    def _lowest(self, n: int, pins: np.ndarray, permanent: Optional[np.ndarray], slot_to_row: np.ndarray,
+                start: int, end: int, start2: int = 0, end2: int = 0) -> Optional[np.ndarray]:
         """The ``n`` lowest-ranked evictable slots of ``[start, end)`` (+ ``[start2, end2)``),
-        or None when those ranges hold fewer than ``n``. One ``topk`` over the ranges, no
-        ``nonzero``: the blocked slots rank last, so a blocked slot among the chosen means
-        there were not enough."""
+        or None when those ranges hold fewer than ``n``. One partial sort over the ranges, no
+        mask: the blocked slots rank last, so a blocked slot among the chosen means there
+        were not enough."""
         score = self._scores(pins, permanent, slot_to_row, start, end)
         if end2 > start2:
-            score = torch.cat([score, self._scores(pins, permanent, slot_to_row, start2, end2)])
-        values, index = torch.topk(score, n, largest=False, sorted=False)
-        if int(values.max()) >= _UNEVICTABLE:
+            score = np.concatenate([score, self._scores(pins, permanent, slot_to_row, start2, end2)])
+        index = _smallest(score, n)
+        if score[index].max() >= _UNEVICTABLE:
             return None
         if end2 > start2:
             # Positions past the first range belong to the second one.
             first = end - start
-            return torch.where(index < first, index + start, index - first + start2)
-        return index.add_(start)
+            return np.where(index < first, index + start, index - first + start2)
+        return index + start
 
-    def _lowest_of_all(self, n: int, pins: torch.Tensor, permanent: Optional[torch.Tensor],
-                       slot_to_row: torch.Tensor) -> torch.Tensor:
+    def _lowest_of_all(self, n: int, pins: np.ndarray, permanent: Optional[np.ndarray],
+                       slot_to_row: np.ndarray) -> np.ndarray:
         score = self._scores(pins, permanent, slot_to_row, 0, self.num_slots)
-        free = int((score < _UNEVICTABLE).sum())
-        return torch.topk(score, min(n, free), largest=False, sorted=False).indices
+        free = int(np.count_nonzero(score < _UNEVICTABLE))
+        return _smallest(score, min(n, free))
+
+
+def _smallest(score: np.ndarray, k: int) -> np.ndarray:
+    """Positions (int64) of the ``k`` smallest scores, in no particular order."""
+    if k >= score.shape[0]:
+        return np.arange(score.shape[0], dtype=np.int64)
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    return np.argpartition(score, k - 1)[:k].astype(np.int64, copy=False)
 
 
 #: A slot ranked this high or higher may not be evicted (it is pinned or permanently hot).

@@ -41,7 +41,10 @@ class TableBatch:
     lengths: Optional[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.slot_ids = self.plan.device_slots().index_select(0, self.inverse)
+        if self.inverse.device.type == "cpu":  # (NumPy's gather: a fraction of torch's per-op cost)
+            self.slot_ids = torch.from_numpy(self.plan.slots.numpy()[self.inverse.numpy()])
+        else:
+            self.slot_ids = self.plan.device_slots().index_select(0, self.inverse)
         num_values = int(self.inverse.numel())
         if self.one_per_bag is None:
             # n values in n bags with none empty: every bag holds exactly one.

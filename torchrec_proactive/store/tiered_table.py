@@ -249,8 +249,11 @@ class TieredTable:
         self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
         self.permanent = torch.zeros(self.num_slots, dtype=torch.bool)
         self.ranking = SlotRanking(EvictionPolicy.parse(policy), self.num_slots, self.num_rows)
+        # NumPy views of the maps for the hot path (the tensors stay the owners: never
+        # reassign them, only write into them).
+        self._row_to_slot, self._slot_to_row = self.row_to_slot.numpy(), self.slot_to_row.numpy()
+        self._pins, self._dirty, self._permanent = self.pins.numpy(), self.dirty.numpy(), self.permanent.numpy()
         self.stats = TableStats()
-        self._pin_deltas: Dict[int, torch.Tensor] = {}
         self._in_flight = 0  # plans issued and not yet released
         self._hot_rows = None if hot_rows is None else torch.unique(hot_rows.to(torch.int64))
         if self._hot_rows is not None:
@@ -324,75 +327,77 @@ class TieredTable:
         return self._plan(rows, depth_hint, overflow)
 
     def _plan(self, rows: torch.Tensor, depth_hint: Optional[int], overflow: bool) -> FetchPlan:
-        """``plan`` for rows that are unique and sorted by construction (``unique_rows``)."""
-        preloading = self._preload_pending
-        preload_rows, preload_slots = self._map_preload() if preloading else (rows[:0], rows[:0])
-        try:
-            slots = self.row_to_slot.index_select(0, rows).long()  # bounds-checked
-        except (IndexError, RuntimeError):
-            if preloading:  # leave no trace
-                self._unmap_preload(preload_rows, preload_slots)
+        """``plan`` for rows that are unique and sorted by construction (``unique_rows``).
+
+        The bookkeeping runs on NumPy views of the store's tensors: a plan is some twenty
+        small vector ops, and NumPy's cost per op is a fraction of eager PyTorch's."""
+        r = rows.numpy()
+        num_rows = r.shape[0]
+        # Sorted rows: the first and the last bound them all.
+        if num_rows and (r[0] < 0 or r[-1] >= self.num_rows):
             self.validate_rows(rows)  # names the table, the id and the limit
-            raise
-        num_rows = int(rows.numel())
+        preloading = self._preload_pending
+        preload_rows, preload_slots = self._map_preload() if preloading else (None, None)
+        r2s, s2r, pins, dirty = self._row_to_slot, self._slot_to_row, self._pins, self._dirty
+        slots = r2s[r].astype(np.int64)
         tracked = not self.holds_every_row  # (a cache holding every row never evicts: pins protect nothing)
-        overflow_rows: Optional[torch.Tensor] = None
+        overflow_rows: Optional[np.ndarray] = None
+        n_miss = 0
         if tracked:
             # Pin the batch's hits first: the victim search then cannot choose them.
             miss = slots < 0
-            # A miss adds 0 to slot 0: cheaper than selecting the hits first.
-            hit_pins = (~miss).to(self.pins.dtype)
-            self.pins.index_add_(0, slots.clamp(min=0), hit_pins)
-            fill_rows = rows.masked_select(miss)  # (its length is the miss count: no sum needed)
-            n_miss = int(fill_rows.numel())
-        else:
-            n_miss = 0
+            hits = slots[~miss]
+            pins[hits] += 1  # (a batch's slots are unique: a buffered fancy add is exact)
+            fill_rows = r[miss]
+            n_miss = fill_rows.shape[0]
         if n_miss == 0:  # steady state of a warm cache: no victims to look for
-            fill_rows = victims = writeback_rows = writeback_slots = rows[:0]
+            fill_rows = victims = writeback_rows = writeback_slots = _EMPTY
         else:
-            victims = self.ranking.pick_victims(n_miss, self.pins, self.permanent if self._hot_rows is not None else None,
-                                                self.slot_to_row)
-            n_free = int(victims.numel())
+            victims = self.ranking.pick_victims(n_miss, pins, self._permanent if self._hot_rows is not None else None, s2r)
+            n_free = victims.shape[0]
             if n_free < n_miss:
                 if not overflow:
-                    self.pins.index_add_(0, slots.clamp(min=0), hit_pins.neg_())
+                    pins[hits] -= 1
                     if preloading:  # leave no trace: the preload waits for a plan that moves it
                         self._unmap_preload(preload_rows, preload_slots)
                     self._raise_capacity(num_rows, n_miss, n_free, depth_hint)
                 # The last misses (in row order, so the choice is deterministic) overflow.
                 overflow_rows, fill_rows = fill_rows[n_free:], fill_rows[:n_free]
-                miss_pos = torch.nonzero(miss).flatten()
-                miss = torch.zeros_like(miss)
-                miss[miss_pos[:n_free]] = True
+                miss[np.flatnonzero(miss)[n_free:]] = False
                 n_miss = n_free
-            victim_rows = self.slot_to_row.index_select(0, victims)
+            victim_rows = s2r[victims]
             occupied = victim_rows >= 0
-            wb = occupied & self.dirty.index_select(0, victims)
-            writeback_slots, writeback_rows = victims.masked_select(wb), victim_rows.masked_select(wb)
-            self.row_to_slot.index_fill_(0, victim_rows.masked_select(occupied), -1)
-            self.slot_to_row.index_copy_(0, victims, fill_rows)
-            self.row_to_slot.index_copy_(0, fill_rows, victims.to(torch.int32))
+            wb = occupied & dirty[victims]
+            writeback_slots, writeback_rows = victims[wb], victim_rows[wb]
+            r2s[victim_rows[occupied]] = -1
+            s2r[victims] = fill_rows
+            r2s[fill_rows] = victims
             # The victim's dirty bit now describes the incoming row, which is clean.
-            self.dirty.index_fill_(0, victims, False)
-            self._add_pins(victims, 1)
-            slots.masked_scatter_(miss, victims)
+            dirty[victims] = False
+            pins[victims] += 1
+            slots[miss] = victims
             if overflow_rows is not None:
-                slots[slots < 0] = self.num_slots + torch.arange(overflow_rows.numel(), dtype=torch.int64)
+                slots[slots < 0] = self.num_slots + np.arange(overflow_rows.shape[0], dtype=np.int64)
         if tracked:
-            cached = slots if overflow_rows is None else slots[slots < self.num_slots]
-            self.ranking.touch(cached, rows if overflow_rows is None else self.slot_to_row[cached])
+            if overflow_rows is None:
+                self.ranking.touch(slots, r)
+            else:
+                cached = slots[slots < self.num_slots]
+                self.ranking.touch(cached, s2r[cached])
         self._in_flight += 1
-        n_preload = int(preload_rows.numel())
+        n_preload = 0 if preload_rows is None else int(preload_rows.numel())
         if n_preload:
             # Rows resident from the start travel with the first batch's fills, in the same
             # ticket, so even the preload follows the engine's one order.
-            fill_rows = torch.cat([preload_rows, fill_rows])
-            victims = torch.cat([preload_slots, victims])
-            n_miss = int(fill_rows.numel())
+            fill_rows = np.concatenate([preload_rows.numpy(), fill_rows])
+            victims = np.concatenate([preload_slots.numpy(), victims])
+            n_miss = fill_rows.shape[0]
 
-        plan = FetchPlan(self, rows, slots, fill_rows, victims, writeback_rows, writeback_slots,
-                         overflow_rows=overflow_rows, preload=bool(n_preload), num_preloaded=n_preload,
-                         num_rows=num_rows, num_fills=n_miss, num_writebacks=int(writeback_rows.numel()))
+        plan = FetchPlan(self, rows, torch.from_numpy(slots), torch.from_numpy(fill_rows), torch.from_numpy(victims),
+                         torch.from_numpy(writeback_rows), torch.from_numpy(writeback_slots),
+                         overflow_rows=None if overflow_rows is None else torch.from_numpy(overflow_rows),
+                         preload=bool(n_preload), num_preloaded=n_preload,
+                         num_rows=num_rows, num_fills=n_miss, num_writebacks=writeback_rows.shape[0])
         st = self.stats
         st.lookups_rows += plan.num_rows
         st.hits += plan.num_hits
@@ -526,7 +531,7 @@ class TieredTable:
         step = int(self.steps)
         if not plan.num_overflow:
             self._update_cache(plan.device_slots(), row_grads, step)
-            self.dirty.index_fill_(0, plan.slots, True)
+            self._dirty[plan.slots.numpy()] = True
         else:
             in_cache = plan.slots < self.num_slots
             self._update_cache(plan.slots[in_cache].to(self.device), row_grads[in_cache.to(row_grads.device)], step)
@@ -550,17 +555,8 @@ class TieredTable:
             return
         plan.released = True
         if not self.holds_every_row:
-            self._add_pins(plan.cache_slots, -1)
+            self._pins[plan.cache_slots.numpy()] -= 1  # (unique slots: a buffered fancy add is exact)
         self._in_flight -= 1
-
-    def _add_pins(self, slots: torch.Tensor, delta: int) -> None:
-        # A plan's slots are unique, so a scatter-add is exact and about 3x cheaper than
-        # indexed read-modify-write on large caches.
-        ones = self._pin_deltas.get(delta)
-        if ones is None or ones.numel() < slots.numel():
-            ones = torch.full((max(slots.numel(), 1024),), delta, dtype=self.pins.dtype)
-            self._pin_deltas[delta] = ones
-        self.pins.index_add_(0, slots, ones[: slots.numel()])
 
     # ------------------------------------------------------------------ host tier
     def invalidate(self) -> None:
@@ -642,6 +638,9 @@ class TieredTable:
         )
 
 
+_EMPTY = np.empty(0, dtype=np.int64)  # (never written: empty)
+
+
 def load_factor_text(slots: int, rows: int) -> str:
     """``slots`` as a cache load factor of ``rows``, for messages (rounded up to 0.001, at most 1)."""
     return f"{min(1.0, math.ceil(1000 * slots / max(rows, 1)) / 1000):g}"
@@ -664,11 +663,12 @@ def unique_rows(values: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
     the same row whatever order the sort leaves them in, so the result is deterministic.
     Values too large to pack fall back to ``torch.unique``.
     """
-    values = values.to(torch.int64).cpu()
+    if values.dtype != torch.int64 or values.device.type != "cpu":
+        values = values.to(device="cpu", dtype=torch.int64)
     n = int(values.numel())
     if n == 0:
         return values.clone(), values.clone()
-    a = values.contiguous().numpy()
+    a = values.numpy()  # (a strided view is fine: the first op below copies)
     shift = max(n - 1, 1).bit_length()
     limit = 1 << (62 - shift)  # |value| < limit: value << shift fits in an int64 with its sign
     if not (-limit < int(a.min()) and int(a.max()) < limit):
