@@ -361,3 +361,38 @@ def test_planner_is_offered_the_cached_kernel_only_for_sharding_types_it_support
         # as it would for stock and a stock run and a proactive run start from the same init
         # (a user trial asked for row-wise on CPU, which stock does not offer there either).
         assert ours.sharding_types(device) == stock.sharding_types(device), device
+
+
+@pytest.mark.parametrize("case", ["one_per_bag", "one_feature_one_per_bag", "blocks_with_an_empty_bag",
+                                  "ragged", "shared_table_at_row_0", "int32"])
+def test_ids_reach_the_store_rows_of_their_tables_in_the_lookup_order(case):
+    """The kernel's id -> store-row mapping (NumPy) against the plain definition: id plus
+    its feature's table start, in TorchRec's feature-major order or, one id per bag,
+    sample by sample."""
+    import numpy as np
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_proactive.integration.embedding_kernel import store_rows
+
+    stride = 5
+    starts = {"shared_table_at_row_0": [0, 0], "one_feature_one_per_bag": [0]}.get(case, [0, 100, 250])
+    lengths = {
+        "blocks_with_an_empty_bag": [1, 0, 2, 1, 1] * len(starts),  # stride ids per feature, not one per bag
+        "ragged": [0, 3, 1, 0, 2, 1, 1, 1, 1, 1, 2, 0, 0, 4, 0],
+    }.get(case, [1] * (stride * len(starts)))
+    g = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 100, (sum(lengths),), generator=g)
+    if case == "int32":
+        values = values.to(torch.int32)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(len(starts))], values=values,
+                                              lengths=torch.tensor(lengths))
+    per_feature = kjt.length_per_key()
+    one_per_bag = all(n == 1 for n in lengths)
+    blocks = all(n == stride for n in per_feature)
+    sample_major = one_per_bag and len(starts) > 1
+    got = store_rows(values.numpy(), np.array(starts, dtype=np.int64), stride, per_feature, blocks, sample_major)
+
+    want = values.long() + torch.tensor(starts).repeat_interleave(torch.tensor(per_feature))
+    if sample_major:
+        want = want.view(len(starts), stride).t().reshape(-1)
+    assert got.dtype == np.int64 and torch.equal(torch.from_numpy(got), want), (got, want)

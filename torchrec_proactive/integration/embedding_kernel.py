@@ -162,7 +162,6 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             [seg.start for seg, t in zip(self.store.segments, tables) for _ in range(t.num_features())],
             dtype=np.int64,
         )
-        self._single_table_at_zero = len(tables) == 1
         self._num_features = int(self._feature_start.shape[0])
         self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
         # Connects our custom autograd function to the graph; never receives a gradient.
@@ -336,19 +335,9 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # forward or backward. Done before planning: the plan's lookup recipe is then in
         # that order already. The sums per row run in the new order: deterministic.
         sample_major = one_per_bag and num_features > 1
-        if sample_major:
-            # The transpose and the offset into the store's row space in one pass.
-            rows = np.empty((stride, num_features), dtype=np.int64)
-            np.add(ids.reshape(num_features, stride).T, self._feature_start, out=rows)
-            if weights is not None:
-                weights = weights.index_select(0, self._sample_major_order(stride).to(weights.device))
-        elif self._single_table_at_zero:
-            rows = ids.astype(np.int64, copy=False)
-        elif blocks:
-            rows = ids.reshape(num_features, stride) + self._feature_start[:, None]
-        else:
-            rows = ids + np.repeat(self._feature_start, per_feature)
-        rows = torch.from_numpy(rows.reshape(-1))
+        if sample_major and weights is not None:
+            weights = weights.index_select(0, self._sample_major_order(stride).to(weights.device))
+        rows = torch.from_numpy(store_rows(ids, self._feature_start, stride, per_feature, blocks, sample_major))
         batch = plan_table_batch(self.store, rows, features.offsets(), self._mode,
                                  self.prefetch_depth or None, overflow=overflow, checked=True,
                                  one_per_bag=one_per_bag)
@@ -469,3 +458,25 @@ def _group_host_tier(config: GroupedEmbeddingConfig, buffer: torch.Tensor, views
         expected += v.numel()
     total = sum(int(v.shape[0]) for v in views)
     return buffer[start: start + total * dim].view(total, dim)
+
+
+def store_rows(ids: np.ndarray, feature_start: np.ndarray, stride: int, per_feature: List[int],
+               blocks: bool, sample_major: bool) -> np.ndarray:
+    """A group's KJT ids moved into its store's row space: each id plus the first row of its
+    feature's table (``feature_start[f]``), as int64.
+
+    ``per_feature`` holds each feature's id count (only read when not ``blocks``);
+    ``blocks``: every feature holds ``stride`` ids. ``sample_major`` (needs ``blocks``):
+    the id at TorchRec's feature-major position ``f * stride + b`` comes out at
+    ``b * F + f``, the transpose and the offset done in one pass.
+    """
+    num_features = feature_start.shape[0]
+    if sample_major:
+        rows = np.empty((stride, num_features), dtype=np.int64)
+        np.add(ids.reshape(num_features, stride).T, feature_start, out=rows)
+        return rows.reshape(-1)
+    if not feature_start.any():  # every feature reads a table at the store's row 0
+        return ids.astype(np.int64, copy=False)
+    if blocks:
+        return (ids.reshape(num_features, stride) + feature_start[:, None]).reshape(-1)
+    return ids + np.repeat(feature_start, per_feature)
