@@ -572,6 +572,7 @@ def check_progress_after_error(rank: int, world_size: int) -> Dict[str, Any]:
     pipe = pipeline_for("proactive", dmp, opt)
     it = iter(data)
     calls: List[str] = []
+    notes: List[List[str]] = []  # what the traceback adds under each error (PEP 678 notes)
     for _ in range(8):
         try:
             pipe.progress(it)
@@ -581,7 +582,8 @@ def check_progress_after_error(rank: int, world_size: int) -> Dict[str, Any]:
             break
         except Exception as e:
             calls.append(err(e)[:300])
-    res: Dict[str, Any] = {"calls": calls}
+            notes.append(list(getattr(e, "__notes__", [])))
+    res: Dict[str, Any] = {"calls": calls, "notes": notes}
     try:
         pipe.reset()
         snapshot = copy.deepcopy(dmp.state_dict())

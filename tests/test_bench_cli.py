@@ -172,6 +172,20 @@ def test_rounds_spread_and_noise_verdicts(tiny_run):
     assert "±" in proc.stdout  # the per-configuration spread is in the table
 
 
+@pytest.mark.multiprocess
+def test_summary_says_what_was_measured_and_warns_on_one_round(tiny_run):
+    # Found by a user trial: `bench --quick` printed verdicts with no workload and no word
+    # that one round of a few steps is a smoke test.
+    from torchrec_proactive.bench.runner import format_table
+
+    proc, report, _ = tiny_run
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("workload: 2 tables x 4000 rows x 64, batch 64 per rank, 2 gloo rank(s)"), first
+    assert "6 timed steps x 2 round(s)" in first and "smoke test" not in proc.stdout
+    one_round = format_table({**report, "settings": {**report["settings"], "rounds": 1}})
+    assert "one round: a smoke test, not a measurement" in one_round, one_round
+
+
 def test_noise_verdicts_flag_an_upper_bound_violation_and_overlaps():
     from torchrec_proactive.bench.runner import noise_verdicts
 

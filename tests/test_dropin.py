@@ -169,6 +169,8 @@ def test_9d_progress_after_error_is_clear_and_reset_recovers(launch_b):
     for res in _ok(launch_b, "progress_after_error"):
         calls = res["calls"]
         assert calls[0].startswith("IdOutOfRangeError"), calls
+        # the first error already says what to do next, not only the call after it
+        assert any("pipeline.reset()" in n for n in res["notes"][0]), res["notes"]
         for c in calls[1:]:
             # either training continues, or a clear error tells the user to call reset()
             assert c in ("ok", "stop") or "reset()" in c, calls

@@ -278,6 +278,19 @@ def test_capacity_message_adds_up():
         alone.plan(torch.arange(10))
 
 
+def test_capacity_advice_never_asks_the_planner_for_a_load_factor_of_1():
+    # Found by a user trial: a small table advised "CacheParams.load_factor >= 1", which
+    # TorchRec's planner refuses for fused_uvm_caching (it takes only values below 1).
+    table = TieredTable("cats", torch.randn(40, 4), OptimizerConfig(), num_slots=12)
+    table.plan(torch.arange(10))
+    with pytest.raises(CacheCapacityError) as info:
+        table.plan(torch.arange(10, 20), depth_hint=4)  # depth 5 x 10 rows > 40 rows
+    msg = str(info.value)
+    assert "load_factor >= 1" not in msg and "cache_load_factor=1.0" in msg, msg
+    with pytest.raises(CacheCapacityError, match=r"CacheParams.load_factor >= 0\.75 of the 40 rows"):
+        table.plan(torch.arange(10, 20), depth_hint=2)  # 3 x 10 = 30 of 40 rows
+
+
 @pytest.mark.parametrize("bad", [-1, 100, 12345])
 @pytest.mark.parametrize("slots", [10, 100])  # 100: every row is preloaded by the first plan
 def test_out_of_range_ids_are_refused_with_table_value_and_limit(bad, slots):

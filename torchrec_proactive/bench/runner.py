@@ -217,13 +217,32 @@ def summarize(rank0: Dict[str, Any], world_size: int) -> Dict[str, Any]:
     return report
 
 
+def _workload_lines(report: Dict[str, Any]) -> List[str]:
+    """What was measured (the table's figures mean little without it) and, for a single
+    round, that its verdicts rest on one round's step times only."""
+    settings = report.get("settings")
+    if not settings:
+        return []
+    w = settings["workload"]
+    lines = [
+        f"workload: {w['num_tables']} tables x {w['rows_per_table']} rows x {w['embedding_dim']}, batch "
+        f"{w['batch_size']} per rank, {report['world_size']} {report['backend']} rank(s), "
+        f"cache load factor {settings['cache_load_factor']:g}; {settings['measure_steps']} timed steps x {settings['rounds']} "
+        f"round(s) per configuration"
+    ]
+    if settings["rounds"] < 2:
+        lines.append("one round: a smoke test, not a measurement - the intervals below come from that round's "
+                     "step times alone (run without --quick, 3 rounds, for ratios to quote)")
+    return lines
+
+
 def _noise_word(within: bool) -> str:
     return "within noise" if within else "beyond noise"
 
 
 def format_table(report: Dict[str, Any]) -> str:
     link = report["link"]
-    lines = [
+    lines = _workload_lines(report) + [
         f"link: {link['kind']} (modelled copy engine) {link['bandwidth_gbps']:.4g} GB/s, "
         f"{link['latency_us']:.0f} us latency"
         + (f" - calibrated so a cold fetch costs {link['target_fetch_fraction']:.0%} of a resident step"

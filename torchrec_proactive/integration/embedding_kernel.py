@@ -47,7 +47,7 @@ from ..store import (
     Segment,
     TableBatch,
     TieredTable,
-    load_factor_text,
+    load_factor_advice,
     plan_table_batch,
     pooled_lookup_group,
 )
@@ -347,9 +347,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"tables {self.table_names()}: one batch needs {batch.plan.num_rows} distinct rows but the device "
                 f"cache has {self.store.num_slots} slots; {batch.plan.num_overflow} rows were served from the host "
                 f"tier (exact, but on the critical path; said once per table group). A cache of at least "
-                f"{batch.plan.num_rows} slots (CacheParams.load_factor >= "
-                f"{load_factor_text(batch.plan.num_rows, self.store.num_rows)} of the {self.store.num_rows} rows this "
-                f"store holds on this rank) serves this batch; batches with more distinct rows and prefetching need "
+                f"{batch.plan.num_rows} slots ({load_factor_advice(batch.plan.num_rows, self.store.num_rows)}) "
+                f"serves this batch; batches with more distinct rows and prefetching need "
                 f"more.",
                 stacklevel=2,
             )

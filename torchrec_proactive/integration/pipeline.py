@@ -215,8 +215,9 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """One training (or, in ``model.eval()``, evaluation) step; see the module docstring.
 
-        If a step raises, the pipeline's in-flight batches are in an unknown stage: every
-        later call raises :class:`StoreStateError` until ``reset()`` releases them.
+        If a step raises, the pipeline's in-flight batches are in an unknown stage: the error
+        carries a note saying so, and every later call raises :class:`StoreStateError` until
+        ``reset()`` releases them.
         """
         if self._failure is not None:
             raise StoreStateError(
@@ -229,6 +230,10 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             raise
         except BaseException as e:
             self._failure = e
+            e.add_note(
+                "torchrec-proactive: the pipeline still holds its in-flight batches; call pipeline.reset() "
+                "to release them before calling progress() again"
+            )
             raise
 
     def _progress(self, dataloader_iter: Iterator[Any]) -> Any:
@@ -353,7 +358,8 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
     def stats(self) -> Dict[str, float]:
         """Cumulative fetch statistics summed over this rank's proactive modules.
 
-        Keys: ``batches`` (one per step for each module with proactive shards on this rank),
+        Keys: ``batches`` (one per lookup - a training step or a plain forward - for each
+        module with proactive shards on this rank; plain forwards count in every key),
         ``stall_s`` (seconds lookups waited for their rows), ``rows_requested`` (distinct rows
         per batch, summed), ``hits``, ``hit_rate`` (``hits / rows_requested``; preloaded rows
         count as hits), ``rows_fetched`` (host -> cache), ``rows_written_back``, ``bytes_moved``

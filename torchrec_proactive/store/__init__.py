@@ -11,11 +11,11 @@ from .errors import (
 from .eviction import EvictionPolicy
 from .lookup import TableBatch, plan_table_batch, pooled_lookup, pooled_lookup_group
 from .optimizers import OptimizerConfig, OptimType, apply_row_update
-from .tiered_table import FetchPlan, Segment, TableStats, TieredTable, load_factor_text, unique_rows
+from .tiered_table import FetchPlan, Segment, TableStats, TieredTable, load_factor_advice, load_factor_text, unique_rows
 
 __all__ = [
     "CacheCapacityError", "EvictionPolicy", "FetchPlan", "IdOutOfRangeError", "InvalidInputError",
     "NotPrefetchedError", "OptimType", "OptimizerConfig", "ProactiveError", "Segment", "StoreStateError",
-    "TableBatch", "TableStats", "TieredTable", "apply_row_update", "load_factor_text", "plan_table_batch",
+    "TableBatch", "TableStats", "TieredTable", "apply_row_update", "load_factor_advice", "load_factor_text", "plan_table_batch",
     "pooled_lookup", "pooled_lookup_group", "unique_rows",
 ]

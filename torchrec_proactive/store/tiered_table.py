@@ -438,8 +438,7 @@ class TieredTable:
             want = (depth + 1) * n_rows
             msg += (
                 f"; with prefetch_depth={depth} about {want} slots are needed (depth + 1 batches of "
-                f"~{n_rows} rows: CacheParams.load_factor >= {load_factor_text(want, self.num_rows)} of the {self.num_rows} "
-                f"rows this store holds on this rank). "
+                f"~{n_rows} rows: {load_factor_advice(want, self.num_rows)}). "
                 + (
                     f"prefetch_depth <= {fits} would fit this cache"
                     if fits >= 0
@@ -644,6 +643,16 @@ _EMPTY = np.empty(0, dtype=np.int64)  # (never written: empty)
 def load_factor_text(slots: int, rows: int) -> str:
     """``slots`` as a cache load factor of ``rows``, for messages (rounded up to 0.001, at most 1)."""
     return f"{min(1.0, math.ceil(1000 * slots / max(rows, 1)) / 1000):g}"
+
+
+def load_factor_advice(slots: int, rows: int) -> str:
+    """How to ask for a cache of ``slots`` of the ``rows`` a store holds on this rank, for
+    messages: a plan's ``CacheParams.load_factor``, or - when every row is needed, which the
+    planner refuses (it takes only load factors below 1) - the sharder's own option."""
+    if slots < rows:
+        return f"CacheParams.load_factor >= {load_factor_text(slots, rows)} of the {rows} rows this store holds on this rank"
+    return (f"every one of the {rows} rows this store holds on this rank: the sharder's cache_load_factor=1.0, "
+            f"with no CacheParams.load_factor in the plan, as the planner takes only load factors below 1")
 
 
 def _move(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
