@@ -147,3 +147,25 @@ def checkpoint_resume(rank: int, world_size: int, optimizer: str) -> Dict[str, A
         "params_equal": all(torch.equal(final[k], final2[k]) for k in final),
         "state_keys": sorted(k for st in saved_opt["state"].values() for k in st)[:4],
     }
+
+
+def deferred_batches_prepare_once(rank: int, world_size: int) -> Dict[str, Any]:
+    """A prefetch that waits for pins is retried on the store only: its ids -> rows work
+    (prepare_batch) runs once per batch and kernel, however many plans it takes."""
+    tables = make_tables(2, rows=400, dim=8)
+    dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), cache_load_factor=0.1)
+    ebc = dmp.module.ebc
+    calls = {"prepare": 0, "plan": 0}
+    for kernel in ebc._proactive_kernels:  # count the calls of the real methods
+        def counted(name, fn):
+            def call(*args, **kwargs):
+                calls[name] += 1
+                return fn(*args, **kwargs)
+            return call
+        kernel.prepare_batch = counted("prepare", kernel.prepare_batch)
+        kernel.plan_prepared = counted("plan", kernel.plan_prepared)
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=4)
+    steps = 8
+    _run(pipe, [make_batch(tables, 16, seed=rank * 10 + i) for i in range(steps)])
+    ebc.check_invariants(expect_drained=True)
+    return {"calls": calls, "kernels": len(ebc._proactive_kernels), "steps": steps, "stats": pipe.stats()}

@@ -156,3 +156,11 @@ def test_torchrec_planner_auto_plan_on_cpu():
 def test_weighted_features_match_stock(sharding):
     for res in run_ranks(exactness_worker.weighted_features, world_size=2, sharding=sharding):
         assert res["n"] == 5 and res["max_param_diff"] < 1e-5 and res["max_out_diff"] < 1e-5, res
+
+
+def test_a_deferred_prefetch_is_prepared_once_and_retried_on_the_store_only():
+    for res in run_ranks(pipeline_worker.deferred_batches_prepare_once, world_size=2):
+        once = res["kernels"] * res["steps"]
+        assert res["stats"]["deferred_batches"] > 0, res  # the cache really made prefetches wait
+        assert res["calls"]["prepare"] == once, res
+        assert res["calls"]["plan"] > once, res  # ... and they were planned again

@@ -48,10 +48,27 @@ from ..store import (
     TableBatch,
     TieredTable,
     load_factor_advice,
-    plan_table_batch,
+    plan_unique_rows,
+    unique_rows,
     pooled_lookup_group,
 )
 from .options import ProactiveOptions
+
+
+@dataclass
+class PreparedBatch:
+    """A group's share of a batch reduced to what planning needs, before any store state is
+    touched: the store rows (unique, sorted) and, per id, its row. Computing it has no side
+    effects, so a batch whose plan must wait for pins keeps it for the retry."""
+
+    rows: torch.Tensor
+    inverse: torch.Tensor
+    offsets: torch.Tensor
+    one_per_bag: bool
+    stride: int
+    num_values: int
+    weights: Optional[torch.Tensor]
+    sample_major: bool
 
 
 @dataclass
@@ -310,6 +327,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         Raises ``CacheCapacityError`` changing nothing when the rows do not fit beside the
         in-flight batches' pins, unless ``overflow`` (see ``TieredTable.plan``).
         """
+        return self.plan_prepared(self.prepare_batch(features), overflow)
+
+    def prepare_batch(self, features: KeyedJaggedTensor) -> PreparedBatch:
+        """The group's ids as unique store rows (no store state is read or written)."""
         if features.variable_stride_per_key():
             raise InvalidInputError(f"tables {self.table_names()}: variable batch size per feature is not supported")
         stride = features.stride()
@@ -338,9 +359,15 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if sample_major and weights is not None:
             weights = weights.index_select(0, self._sample_major_order(stride).to(weights.device))
         rows = torch.from_numpy(store_rows(ids, self._feature_start, stride, per_feature, blocks, sample_major))
-        batch = plan_table_batch(self.store, rows, features.offsets(), self._mode,
-                                 self.prefetch_depth or None, overflow=overflow, checked=True,
-                                 one_per_bag=one_per_bag)
+        unique, inverse = unique_rows(rows)
+        return PreparedBatch(unique, inverse, features.offsets(), one_per_bag, stride, int(values.numel()),
+                             weights, sample_major)
+
+    def plan_prepared(self, prepared: PreparedBatch, overflow: bool = False) -> PlannedGroup:
+        """Plans (and pins) a prepared batch; see ``plan_batch``."""
+        p = prepared
+        batch = plan_unique_rows(self.store, p.rows, p.inverse, p.offsets, self._mode, self.prefetch_depth or None,
+                                 overflow=overflow, one_per_bag=p.one_per_bag)
         if batch.plan.num_overflow and not self._warned_overflow:
             self._warned_overflow = True
             warnings.warn(
@@ -352,7 +379,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"more.",
                 stacklevel=2,
             )
-        return PlannedGroup(self, batch, stride, int(values.numel()), weights, sample_major)
+        return PlannedGroup(self, batch, p.stride, p.num_values, p.weights, p.sample_major)
 
     def _sample_major_order(self, stride: int) -> torch.Tensor:
         """Value ``f * B + b`` (TorchRec's feature-major KJT order) goes to row ``b * F + f``."""

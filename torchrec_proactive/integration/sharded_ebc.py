@@ -40,7 +40,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine, FetchFailedError, Ticket, make_transport
 from ..store import CacheCapacityError, NotPrefetchedError, StoreStateError
-from .embedding_kernel import PlannedGroup, ProactiveEmbeddingBag
+from .embedding_kernel import PlannedGroup, PreparedBatch, ProactiveEmbeddingBag
 from .validation import InputValidator
 from .options import ProactiveOptions
 
@@ -350,7 +350,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         while self._waiting:
             ctx, dist_input = self._waiting[0]
             try:
-                fetch = self._issue(dist_input, getattr(ctx, "batch_index", None), overflow=False)
+                fetch = self._issue(dist_input, getattr(ctx, "batch_index", None), overflow=False, ctx=ctx)
             except CacheCapacityError as e:  # does not fit yet: wait for pins to be released
                 if not getattr(ctx, "deferred", False):
                     ctx.deferred = True  # type: ignore[attr-defined]
@@ -373,7 +373,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             # Still does not fit: every earlier batch is done and no later one is planned
             # (arrival order), so the rows that do not fit can be served from the host tier.
             self._waiting.popleft()
-            return self._issue(input, index, overflow=True)
+            return self._issue(input, index, overflow=True, ctx=ctx)
         if any(c is ctx for c, _ in self._waiting):
             raise StoreStateError(
                 f"{self._module_fqn or 'embedding module'}: batch {index} reached its lookup before "
@@ -387,30 +387,43 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # A plain forward (eval loop, after pipeline.detach(), no pipeline): fetch now.
         return self._issue(input, index, overflow=True)
 
-    def _issue(self, dist_input: KJTList, index: Optional[int], overflow: bool) -> BatchFetch:
+    def _issue(self, dist_input: KJTList, index: Optional[int], overflow: bool,
+               ctx: Optional[EmbeddingBagCollectionContext] = None) -> BatchFetch:
         """Plans the batch on every proactive kernel and issues one ticket for all of them.
 
         Without ``overflow``, raises ``CacheCapacityError`` (changing nothing) when some
-        kernel's cache cannot hold the batch beside the pins in flight."""
+        kernel's cache cannot hold the batch beside the pins in flight. The batch's prepared
+        rows (ids -> unique store rows, no store state) are kept on ``ctx`` until it is
+        issued, so a retry only redoes the store's part. Planning time counts every attempt."""
         groups: List[PlannedGroup] = []
+        prepared: Optional[List[Tuple[ProactiveEmbeddingBag, PreparedBatch]]] = getattr(ctx, "prepared", None)
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
-            for (splits, kernels), features in zip(self._group_layout, dist_input):
-                if not any(k is not None for k in kernels):
-                    continue
-                # (One kernel for all the features needs no split: it costs a KJT copy.)
-                parts = [features] if len(splits) == 1 else features.split(splits)
-                for kernel, group_features in zip(kernels, parts):
-                    if kernel is not None:
-                        groups.append(kernel.plan_batch(group_features, overflow=overflow))
+            if prepared is None:
+                prepared = []
+                for (splits, kernels), features in zip(self._group_layout, dist_input):
+                    if not any(k is not None for k in kernels):
+                        continue
+                    # (One kernel for all the features needs no split: it costs a KJT copy.)
+                    parts = [features] if len(splits) == 1 else features.split(splits)
+                    for kernel, group_features in zip(kernels, parts):
+                        if kernel is not None:
+                            prepared.append((kernel, kernel.prepare_batch(group_features)))
+                if ctx is not None:
+                    ctx.prepared = prepared  # type: ignore[attr-defined]
+            for kernel, batch in prepared:
+                groups.append(kernel.plan_prepared(batch, overflow=overflow))
         except BaseException:
             # Nothing was issued, so nothing moved: undo the plans made so far exactly.
             for group in reversed(groups):
                 group.kernel.unplan(group)
             raise
+        finally:
+            self.proactive_stats.plan_s += time.perf_counter() - t0
+            self.proactive_stats.plan_cpu_s += time.thread_time() - cpu0
+        if ctx is not None:
+            ctx.prepared = None  # type: ignore[attr-defined]
         plans = [p for g in groups for p in g.plans]
-        self.proactive_stats.plan_s += time.perf_counter() - t0
-        self.proactive_stats.plan_cpu_s += time.thread_time() - cpu0
         try:
             ticket = self._fetch_engine.issue(plans, tag=index)
         except BaseException:

@@ -85,9 +85,25 @@ def plan_table_batch(
     ``one_per_bag``: the caller knows whether every bag holds exactly one value (None: check)."""
     if not checked:
         _check_bags(table.name, values, offsets)
+    rows, inverse = unique_rows(values)
+    return plan_unique_rows(table, rows, inverse, offsets, mode, depth_hint, overflow, one_per_bag)
+
+
+def plan_unique_rows(
+    table: TieredTable,
+    rows: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str = "sum",
+    depth_hint: Optional[int] = None,
+    overflow: bool = False,
+    one_per_bag: Optional[bool] = None,
+) -> TableBatch:
+    """``plan_table_batch`` for values already reduced by ``unique_rows`` (``rows`` sorted
+    and unique, ``inverse`` per value): a caller that retries a plan that did not fit
+    keeps that work instead of redoing it."""
     if mode not in ("sum", "mean"):
         raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
-    rows, inverse = unique_rows(values)
     # unique_rows' output is unique and sorted by construction: no need to check it again.
     plan = table._plan(rows, depth_hint, overflow)  # noqa: SLF001 - same package
     device = table.device
