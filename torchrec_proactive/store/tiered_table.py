@@ -353,8 +353,22 @@ class TieredTable:
         if n_miss == 0:  # steady state of a warm cache: no victims to look for
             fill_rows = victims = writeback_rows = writeback_slots = _EMPTY
         else:
-            victims = self.ranking.pick_victims(n_miss, pins, self._permanent if self._hot_rows is not None else None, s2r)
-            n_free = victims.shape[0]
+            permanent = self._permanent if self._hot_rows is not None else None
+            short = False
+            if not overflow and 4 * n_miss > self.num_slots:
+                # The misses are a large share of the cache, so it may be short: count the
+                # evictable slots first (one pass; the victim search would find as many), so
+                # that a plan that cannot fit - a prefetch that waits for pins - fails fast.
+                free = pins == 0
+                if permanent is not None:
+                    free &= ~permanent
+                n_free = int(np.count_nonzero(free))
+                short = n_free < n_miss
+            if short:
+                victims = _EMPTY
+            else:
+                victims = self.ranking.pick_victims(n_miss, pins, permanent, s2r)
+                n_free = victims.shape[0]
             if n_free < n_miss:
                 if not overflow:
                     pins[hits] -= 1
@@ -414,7 +428,8 @@ class TieredTable:
         self._preload_pending = True
 
     def _raise_capacity(self, n_rows: int, n_miss: int, n_free: int, depth: Optional[int]) -> None:
-        permanent = int(self.permanent.sum())
+        # (Raised on every try of a prefetch that waits for pins: kept cheap.)
+        permanent = int(np.count_nonzero(self._permanent)) if self._hot_rows is not None else 0
         # Slots that must hold distinct rows at once: this batch's misses beside every slot
         # that cannot give way - pinned by an in-flight batch (this batch's own hits were
         # pinned first, so they are among them) or holding a permanently hot row.
