@@ -40,8 +40,8 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         fused_params: as for ``EmbeddingBagCollectionSharder``.
         cache_load_factor: default cache size as a fraction of each local shard's rows.
         eviction_policy: ``"lru"`` or ``"lfu"`` when the plan's ``CacheParams`` leaves it unset
-            (sampled, like FBGEMM's set-associative cache: victims come from a window of a few
-            times the batch's misses; see ``torchrec_proactive.store.eviction``).
+            (sampled, like FBGEMM's set-associative cache: victims come from a window of twice
+            the batch's misses; see ``torchrec_proactive.store.eviction``).
         num_slots: per-table cache sizes in rows (override any load factor).
         hot_rows: per-table global row ids kept permanently cached.
         link: on CPU, an emulated host-to-device link (bandwidth, latency) so the cost of

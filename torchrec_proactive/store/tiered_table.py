@@ -319,9 +319,10 @@ class TieredTable:
         overflow batches only when no later batch is planned. ``depth_hint`` only improves
         the error message.
 
-        Cost: a handful of tensor ops over the batch's rows and over a victim window of a
-        few times its misses (see ``SlotRanking``), never over the whole cache while the
-        window finds enough evictable slots.
+        Cost: a handful of NumPy vector ops over the batch's rows and over a victim window
+        of twice its misses (see ``SlotRanking``), never over the whole cache while the
+        window finds enough evictable slots (a plan whose misses are a large share of the
+        cache counts its evictable slots first, so one that cannot fit fails fast).
         """
         self._check_plan_rows(rows)
         return self._plan(rows, depth_hint, overflow)
