@@ -68,6 +68,15 @@ class SlotRanking:
         if self._row_freq is not None:
             self._row_freq[rows] += 1  # (unique rows: a buffered fancy add is exact)
 
+    @staticmethod
+    def count_evictable(pins: np.ndarray, permanent: Optional[np.ndarray]) -> int:
+        """Slots no in-flight batch pins and no permanently hot row holds: how many victims
+        ``pick_victims`` can find at most (one pass, no ranking)."""
+        free = pins == 0
+        if permanent is not None:
+            free &= ~permanent
+        return int(np.count_nonzero(free))
+
     def pick_victims(
         self, n: int, pins: np.ndarray, permanent: Optional[np.ndarray], slot_to_row: np.ndarray
     ) -> np.ndarray:

@@ -358,12 +358,9 @@ class TieredTable:
             short = False
             if not overflow and 4 * n_miss > self.num_slots:
                 # The misses are a large share of the cache, so it may be short: count the
-                # evictable slots first (one pass; the victim search would find as many), so
-                # that a plan that cannot fit - a prefetch that waits for pins - fails fast.
-                free = pins == 0
-                if permanent is not None:
-                    free &= ~permanent
-                n_free = int(np.count_nonzero(free))
+                # evictable slots first (the victim search would find as many), so that a
+                # plan that cannot fit - a prefetch that waits for pins - fails fast.
+                n_free = self.ranking.count_evictable(pins, permanent)
                 short = n_free < n_miss
             if short:
                 victims = _EMPTY
