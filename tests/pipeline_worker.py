@@ -37,7 +37,7 @@ def ordering(rank: int, world_size: int, depth: int, steps: int = 8) -> Dict[str
     _run(pipe, [make_batch(tables, 32, seed=100 * rank + i) for i in range(steps)])
     records = [
         {"index": r.index, "issued": r.fetch_issued_at, "completed": r.fetch_completed_at,
-         "lookup": r.lookup_started_at + r.stall_s, "stall": r.stall_s}
+         "lookup": r.lookup_started_at + r.stall_s, "stall": r.stall_s, "fetched": r.rows_fetched}
         for r in dmp.module.ebc.proactive_stats.records
     ]
     fwd = {e["batch"]: (e["start_s"], e["end_s"]) for e in pipe.tracer.events if str(e["name"]).startswith("fwd")}

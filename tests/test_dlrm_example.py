@@ -115,9 +115,8 @@ def test_loss_goes_down_and_auroc_beats_chance(results: List[Dict[str, Any]]) ->
 def test_auto_prefetch_chose_a_depth(results: List[Dict[str, Any]]) -> None:
     choices = [r["a"]["depth_choice"] for r in results]
     assert choices[0] == choices[1], "every rank must run the same depth"
-    # the reactive warm-up measured a stall through the emulated link (how much depends on how
-    # many warm-up steps still miss; a warm step that hits everywhere moves no bytes)
-    assert 1 <= choices[0]["depth"] <= 2 and choices[0]["fetch_ms"] > 0.0, choices[0]
+    # (the depth itself follows measured times, so only its bounds are deterministic)
+    assert 1 <= choices[0]["depth"] <= 2, choices[0]
     assert results[0]["a"]["depth"] == choices[0]["depth"]
 
 
@@ -142,8 +141,12 @@ def test_compare_reactive_vs_proactive(results: List[Dict[str, Any]]) -> None:
     reactive, proactive = result["rows"]
     assert (reactive["depth"], proactive["depth"], reactive["steps"], proactive["steps"]) == (0, 2, 12, 12)
     assert result["identical_parameters"], "proactive fetching must not change a bit"
-    # reactively every step with a miss waits >= 500 us (emulated latency); ahead of time, ~0
-    assert reactive["stall_ms_per_step"] > 0.1 and proactive["stall_ms_per_step"] < reactive["stall_ms_per_step"] / 5
+    # Counters, not times: reactively every missing row is copied at its lookup, on the
+    # critical path; two batches ahead only the first batch of each pipeline fill is (the
+    # loop drains the pipeline every segment; the counts are a function of the data alone).
+    assert reactive["rows_fetched_per_step"] > 0
+    assert reactive["rows_fetched_at_lookup_per_step"] == reactive["rows_fetched_per_step"]
+    assert 0 < proactive["rows_fetched_at_lookup_per_step"] < proactive["rows_fetched_per_step"] / 5
     table = format_table(result)
     assert "emulated (0.2 GB/s, 500 us per fetch)" in table and "speedup" in table
 

@@ -120,6 +120,10 @@ def test_fetch_of_batch_n_plus_k_is_planned_during_forward_n(depth):
                 assert rec["issued"] > records[j - depth]["lookup"], (j, rec, records[j - depth])
         lanes = {e["lane"] for e in res["events"]}
         assert {"data_dist", "fetch", "compute"} <= lanes
+        # Only the first batch (nothing ran before it to hide behind) copied rows at its lookup.
+        assert records[0]["fetched"] > 0
+        assert res["stats"]["rows_fetched_at_lookup"] == records[0]["fetched"]
+        assert res["stats"]["rows_fetched"] > records[0]["fetched"]
 
 
 @pytest.mark.parametrize("num_batches,depth", [(0, 2), (1, 2), (2, 4), (3, 2)])

@@ -13,7 +13,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 from tqdm import tqdm
 
-_STAT_KEYS = ("stall_s", "rows_requested", "hits", "rows_fetched", "bytes_moved")
+_STAT_KEYS = ("stall_s", "rows_requested", "hits", "rows_fetched", "bytes_moved", "rows_fetched_at_lookup")
 
 
 class EvalMetrics:
@@ -58,7 +58,7 @@ class Window:
         delta = [stats.get(k, 0.0) - self.start_stats.get(k, 0.0) for k in _STAT_KEYS]
         t = torch.tensor(delta + [clock - self.start_clock], dtype=torch.float64)
         dist.all_reduce(t)
-        stall, requested, hits, fetched, moved, elapsed_sum = t.tolist()
+        stall, requested, hits, fetched, moved, at_lookup, elapsed_sum = t.tolist()
         steps = max(step - self.start_step, 1)
         wall = elapsed_sum / self.world_size  # mean over ranks
         return {
@@ -68,6 +68,7 @@ class Window:
             "stall_ms_per_step": stall / self.world_size / steps * 1e3,
             "hit_rate": hits / requested if requested else 1.0,
             "rows_fetched_per_step": fetched / self.world_size / steps,
+            "rows_fetched_at_lookup_per_step": at_lookup / self.world_size / steps,
             "mb_moved_per_step": moved / self.world_size / steps / 1e6,
         }
 

@@ -82,7 +82,9 @@ class BatchFetch:
     ticket: Ticket
     groups: List[PlannedGroup]
     index: Optional[int] = None
-
+    # Issued by the batch's own lookup (reactive, a plain forward, or a prefetch that
+    # waited until its lookup): its rows were copied on the critical path.
+    at_lookup: bool = False
 
     @property
     def released(self) -> bool:
@@ -145,6 +147,10 @@ class ProactiveStats:
     rows_requested: int = 0
     hits: int = 0
     rows_fetched: int = 0
+    # Of those, rows copied by fetches issued at the lookup that needs them (on the critical
+    # path): every miss at depth 0, none at depth >= 1 while the cache has room. A count,
+    # not a time, so it says whether prefetching worked on any machine, however loaded.
+    rows_fetched_at_lookup: int = 0
     rows_written_back: int = 0
     bytes_moved: int = 0
     plan_s: float = 0.0  # wall time spent mapping ids and planning (all batches)
@@ -164,6 +170,7 @@ class ProactiveStats:
         return {
             "batches": self.batches, "stall_s": self.stall_s, "rows_requested": self.rows_requested,
             "hits": self.hits, "hit_rate": self.hit_rate(), "rows_fetched": self.rows_fetched,
+            "rows_fetched_at_lookup": self.rows_fetched_at_lookup,
             "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
             "deferred_batches": self.deferred_batches, "overflow_rows": self.overflow_rows,
             "plan_s": self.plan_s, "plan_cpu_s": self.plan_cpu_s,
@@ -319,6 +326,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
         if self._proactive_kernels and getattr(ctx, "fetch", None) is None:
             ctx.fetch = self._fetch_at_lookup(ctx, input)  # type: ignore[attr-defined]
+            ctx.fetch.at_lookup = True  # type: ignore[attr-defined]
         fetch: Optional[BatchFetch] = getattr(ctx, "fetch", None)
         if fetch is not None:
             ctx.fetch = None  # type: ignore[attr-defined]
@@ -466,6 +474,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         st.rows_requested += requested
         st.hits += hits
         st.rows_fetched += fetch.ticket.num_rows
+        if fetch.at_lookup:
+            st.rows_fetched_at_lookup += fetch.ticket.num_rows
         st.rows_written_back += written_back
         st.bytes_moved += fetch.ticket.num_bytes
         if st.keep_records:
