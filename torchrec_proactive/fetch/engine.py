@@ -35,7 +35,7 @@ class Ticket:
     """One batch's fetch across tables. Created only by :meth:`FetchEngine.issue`."""
 
     __slots__ = (
-        "seq", "tag", "plans", "num_bytes", "num_rows", "issued_at", "started_at", "completed_at",
+        "seq", "tag", "plans", "issued_at", "started_at", "completed_at",
         "waited", "_done", "_error", "_engine", "device_event", "ready_event",
     )
 
@@ -44,8 +44,6 @@ class Ticket:
         self.seq = seq
         self.tag = tag
         self.plans = plans
-        self.num_bytes = sum(p.bytes_to_move for p in plans)
-        self.num_rows = sum(p.num_fills for p in plans)
         self.issued_at = time.perf_counter()
         self.started_at: Optional[float] = None
         self.completed_at: Optional[float] = None
@@ -60,6 +58,16 @@ class Ticket:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    # Sizes are read from the plans when asked: a plan made on a device learns them only
+    # when the transport has read them back (by the time the ticket is done).
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.bytes_to_move for p in self.plans)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.num_fills for p in self.plans)
 
     def _finish(self, error: Optional[BaseException] = None) -> None:
         self._error = error
@@ -231,8 +239,6 @@ class FetchEngine:
             raise
         self._outstanding[ticket.seq] = ticket
         self.stats.tickets += 1
-        self.stats.bytes_moved += ticket.num_bytes
-        self.stats.rows_fetched += ticket.num_rows
         if self._worker is None:
             self._execute(ticket)
         else:
@@ -247,9 +253,14 @@ class FetchEngine:
     def flush(self, tables: Sequence[Any]) -> None:
         """Writes every dirty cached row of ``tables`` back to their host tier, in its turn
         behind every queued ticket; afterwards the host tiers equal resident tables."""
-        plans = [t.plan_flush() for t in tables if bool(t.dirty.any())]
-        if plans:
-            self.run(plans, tag="flush")
+        plans = []
+        for t in tables:
+            if hasattr(t, "flush_chunks"):  # device tables flush in bounded chunks
+                plans += t.flush_chunks()
+            elif bool(t.dirty.any()):
+                plans.append(t.plan_flush())
+        for plan in plans:  # (one ticket per chunk: the staging of one is all that is held)
+            self.run([plan], tag="flush")
 
     def wait(self, ticket: Ticket) -> float:
         """Blocks until ``ticket`` is done; returns the seconds spent blocked."""
@@ -331,5 +342,7 @@ class FetchEngine:
             err.__cause__ = e
             ticket._finish(err)
         else:
+            self.stats.bytes_moved += ticket.num_bytes
+            self.stats.rows_fetched += ticket.num_rows
             ticket._finish()
         self.stats.busy_s += ticket.completed_at - ticket.started_at  # type: ignore[operator]

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InvalidInputError
+from .device_table import DeviceTieredTable
+from .fixed_shape import segment_sum
 from .tiered_table import FetchPlan, TieredTable, unique_rows
 
 
@@ -83,10 +85,32 @@ def plan_table_batch(
     ``KeyedJaggedTensor`` that was already validated (non-negative lengths, integer ids),
     so the bag checks are skipped; the store still refuses rows outside its row space.
     ``one_per_bag``: the caller knows whether every bag holds exactly one value (None: check)."""
-    if not checked:
+    if not checked and values.device.type == "cpu":
         _check_bags(table.name, values, offsets)
+    if isinstance(table, DeviceTieredTable):
+        return plan_device_batch(table, values, offsets, mode, depth_hint, overflow, bool(one_per_bag))
     rows, inverse = unique_rows(values)
     return plan_unique_rows(table, rows, inverse, offsets, mode, depth_hint, overflow, one_per_bag)
+
+
+def plan_device_batch(
+    table: DeviceTieredTable,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str = "sum",
+    depth_hint: Optional[int] = None,
+    overflow: bool = False,
+    one_per_bag: bool = False,
+) -> TableBatch:
+    """``plan_table_batch`` on a table that plans on its device: ``ids`` are store rows on
+    the device (any order); nothing is read on the host. ``one_per_bag`` must be given (it
+    cannot be checked without a host read); False is always correct."""
+    if mode not in ("sum", "mean"):
+        raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
+    plan = table.plan_ids(ids, depth_hint, overflow)
+    if offsets.device.type != table.device.type or offsets.dtype != torch.int64:
+        offsets = offsets.to(device=table.device, dtype=torch.int64, non_blocking=True)
+    return TableBatch(plan, plan.inverse, offsets, mode, one_per_bag)  # type: ignore[arg-type]
 
 
 def plan_unique_rows(
@@ -134,21 +158,38 @@ def _check_bags(name: str, values: torch.Tensor, offsets: torch.Tensor) -> None:
         )
 
 
+def _value_rows(batch: TableBatch) -> torch.Tensor:
+    """Per value, its row: from the cache, or (for a plan that overflowed) from the batch's
+    overflow rows - two gathers and a select, never a copy of the cache."""
+    plan = batch.plan
+    over = plan.overflow_weight
+    if over is None:
+        return plan.lookup_weight().index_select(0, batch.slot_ids)
+    base = plan.overflow_base
+    in_cache = batch.slot_ids < base
+    from_cache = plan.lookup_weight().index_select(0, torch.where(in_cache, batch.slot_ids, 0))
+    from_host = over.index_select(0, (batch.slot_ids - base).clamp(0, max(over.shape[0] - 1, 0)))
+    return torch.where(in_cache.unsqueeze(1), from_cache, from_host)
+
+
 def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
-    # The cache (plus, if the plan overflowed, the host rows that did not fit) in one
-    # weight: the pooled sums run in value order whichever tier holds a row, so results
-    # are bit-identical for any cache size and depth.
-    weight = batch.plan.lookup_weight()
+    # The pooled sums run in value order whichever tier holds a row, so results are
+    # bit-identical for any cache size and depth.
+    overflowed = batch.plan.overflow_weight is not None
     if batch.bag_of_value is None:
         # One value per bag: its sum and its mean are the row itself (exactly), and a
         # gather is several times cheaper than embedding_bag.
-        pooled = weight.index_select(0, batch.slot_ids)
+        pooled = _value_rows(batch)
         return pooled if per_sample_weights is None else pooled * per_sample_weights.unsqueeze(1)
+    if overflowed:  # pool the batch's own rows (value i is row i), not the cache
+        weight, index = _value_rows(batch), torch.arange(batch.slot_ids.shape[0], device=batch.slot_ids.device)
+    else:
+        weight, index = batch.plan.lookup_weight(), batch.slot_ids
     # FBGEMM's weighted mean, which stock TorchRec computes whenever a KJT with weights
     # reaches a mean-pooled table, is sum(w * row) / length; F.embedding_bag weighs sums only.
     weighted_mean = batch.mode == "mean" and per_sample_weights is not None
     pooled = F.embedding_bag(
-        batch.slot_ids, weight, batch.offsets, mode="sum" if weighted_mean else batch.mode,
+        index, weight, batch.offsets, mode="sum" if weighted_mean else batch.mode,
         per_sample_weights=per_sample_weights, include_last_offset=True,
     )
     if weighted_mean:
@@ -173,11 +214,21 @@ def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Te
     grad_psw = None
     if psw is not None:
         if want_psw_grad:
-            grad_psw = (g * batch.plan.lookup_weight().index_select(0, batch.slot_ids)).sum(dim=1)
+            grad_psw = (g * _value_rows(batch)).sum(dim=1)
         g = g * psw.unsqueeze(1)
-    row_grads = torch.zeros(batch.plan.num_rows, table.dim, dtype=g.dtype, device=g.device)
-    row_grads.index_add_(0, batch.inverse, g)
+    num_rows = batch.plan.slots.shape[0]  # (a device plan's rows are padded: its slots are too)
+    if g.device.type == "cpu":
+        # index_add_ adds in value order on CPU: deterministic, and cheaper than a sort.
+        row_grads = torch.zeros(num_rows, table.dim, dtype=g.dtype, device=g.device)
+        row_grads.index_add_(0, batch.inverse, g)
+    else:  # no atomics on duplicate rows: the same sums, in the same order, on every run
+        row_grads = segment_sum(batch.inverse, g, num_rows)
     return row_grads, grad_psw
+
+
+def pool_group(batches: Sequence[TableBatch], weights: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """The forward of one group's lookup: each batch pooled from its resident rows."""
+    return [_pool(b, w) for b, w in zip(batches, weights)]
 
 
 class _GroupLookup(torch.autograd.Function):
@@ -201,35 +252,56 @@ class _GroupLookup(torch.autograd.Function):
         # trip autograd's version check. Our own slots are pinned until backward is done.
         ctx.batches = batches
         ctx.weights = weights
-        return tuple(_pool(b, w) for b, w in zip(batches, weights))
+        return tuple(pool_group(batches, weights))
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *grad_outs: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        batches: List[TableBatch] = ctx.batches  # type: ignore[attr-defined]
-        weights: List[Optional[torch.Tensor]] = ctx.weights  # type: ignore[attr-defined]
-        weighted = [i for i, w in enumerate(weights) if w is not None]
         want_psw = ctx.needs_input_grad[3:]  # type: ignore[attr-defined]
-        grads, psw_grads = [], []
-        for i, (batch, g, w) in enumerate(zip(batches, grad_outs, weights)):
-            if g is None:  # output unused by the loss: zero gradient, as for a resident table
-                g = torch.zeros(batch.num_bags, batch.table.dim, device=batch.table.device)
-            k = weighted.index(i) if w is not None else -1
-            row_grads, grad_psw = _row_grads(batch, g, w, bool(k >= 0 and want_psw[k]))
-            grads.append(row_grads)
-            if w is not None:
-                psw_grads.append(grad_psw)
-        bad = [b.table for b, rg in zip(batches, grads) if not bool(torch.isfinite(rg.sum()))]
-        if bad:
-            for b in batches:
-                b.table.release(b.plan)
-            names = ", ".join(f"'{t.name}'" for t in bad)
-            raise InvalidInputError(
-                f"non-finite gradient reached table(s) {names}; the update of this batch was skipped "
-                f"for all {len(batches)} table(s) of the group, which are unchanged"
-            )
-        for batch, row_grads in zip(batches, grads):
-            batch.table.apply_gradients(batch.plan, row_grads, checked=True)
+        psw_grads = update_group(ctx.batches, ctx.weights, grad_outs, want_psw)  # type: ignore[attr-defined]
         return (None, None, None, *psw_grads)
+
+
+@torch.no_grad()
+def update_group(
+    batches: Sequence[TableBatch],
+    weights: Sequence[Optional[torch.Tensor]],
+    grad_outs: Sequence[Optional[torch.Tensor]],
+    want_psw: Sequence[bool],
+) -> List[Optional[torch.Tensor]]:
+    """The backward of one group's lookup: row gradients of every table, the fused updates
+    (all or nothing), the plans released. Returns the gradients of the weighted batches'
+    sample weights (``want_psw[j]`` for the j-th weighted batch)."""
+    weighted = [i for i, w in enumerate(weights) if w is not None]
+    grads, psw_grads = [], []
+    for i, (batch, g, w) in enumerate(zip(batches, grad_outs, weights)):
+        if g is None:  # output unused by the loss: zero gradient, as for a resident table
+            g = torch.zeros(batch.num_bags, batch.table.dim, device=batch.table.device)
+        k = weighted.index(i) if w is not None else -1
+        row_grads, grad_psw = _row_grads(batch, g, w, bool(k >= 0 and want_psw[k]))
+        grads.append(row_grads)
+        if w is not None:
+            psw_grads.append(grad_psw)
+    if any(isinstance(b.table, DeviceTieredTable) for b in batches):
+        # Device tables: the all-or-nothing rule without a host read. The group's update
+        # is computed and kept only where every gradient is finite; a skip is counted on
+        # the device and reported at a later step (DeviceTieredTable.poll_skipped).
+        ok = torch.stack([torch.isfinite(rg.sum()) for rg in grads]).all()
+        for batch, row_grads in zip(batches, grads):
+            batch.table.note_update(ok)  # type: ignore[attr-defined]
+            batch.table.apply_gradients(batch.plan, row_grads, checked=True, ok=ok)  # type: ignore[call-arg]
+        return psw_grads
+    bad = [b.table for b, rg in zip(batches, grads) if not bool(torch.isfinite(rg.sum()))]
+    if bad:
+        for b in batches:
+            b.table.release(b.plan)
+        names = ", ".join(f"'{t.name}'" for t in bad)
+        raise InvalidInputError(
+            f"non-finite gradient reached table(s) {names}; the update of this batch was skipped "
+            f"for all {len(batches)} table(s) of the group, which are unchanged"
+        )
+    for batch, row_grads in zip(batches, grads):
+        batch.table.apply_gradients(batch.plan, row_grads, checked=True)
+    return psw_grads
 
 
 def pooled_lookup_group(

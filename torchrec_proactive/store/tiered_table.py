@@ -74,6 +74,7 @@ class FetchPlan:
     num_fills: int = -1
     num_writebacks: int = -1
     _device_slots: Optional[torch.Tensor] = field(default=None, repr=False)
+    _overflow_weight: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_rows < 0:
@@ -99,12 +100,24 @@ class FetchPlan:
         return self.slots[self.slots < self.table.num_slots]
 
     def lookup_weight(self) -> torch.Tensor:
-        """What ``slots`` index: the cache, followed by the overflow rows read from the host
-        tier now (nobody else holds them: see ``TieredTable.plan``)."""
-        table = self.table
+        """What ``slots`` below ``overflow_base`` index: the cache."""
+        return self.table.cache_weight
+
+    @property
+    def overflow_base(self) -> int:
+        """Slot ids from here on name overflow rows: ``overflow_base + j`` is ``overflow_rows[j]``."""
+        return self.table.num_slots
+
+    @property
+    def overflow_weight(self) -> Optional[torch.Tensor]:
+        """The overflow rows' weights on the cache's device, read from the host tier at the
+        first call (nobody else holds those rows: see ``TieredTable.plan``); the batch's own
+        rows only, never a copy of the cache."""
         if not self.num_overflow:
-            return table.cache_weight
-        return torch.cat([table.cache_weight, table.host_weight[self.overflow_rows].to(table.device)])
+            return None
+        if self._overflow_weight is None:
+            self._overflow_weight = self.table.host_weight.index_select(0, self.overflow_rows).to(self.table.device)
+        return self._overflow_weight
 
     @property
     def num_hits(self) -> int:
@@ -216,7 +229,7 @@ class TieredTable:
                 )
             if given is None:
                 # Pinned on CUDA so the copy stream can move rows without a bounce buffer.
-                pin = self.device.type == "cuda"
+                pin = self.device.type == "cuda" and torch.cuda.is_available()
                 given = torch.zeros(want, dtype=torch.float32, pin_memory=pin)
             self.host_state[key] = given
         # Optimizer steps taken on this table (Adam's bias correction). A tensor, so that the
@@ -230,29 +243,13 @@ class TieredTable:
             )
         self._segment_ends = torch.tensor([seg.start + seg.num_rows for seg in self.segments], dtype=torch.int64)
 
-        dtype = host_weight.dtype
-        self.cache_weight = torch.zeros(self.num_slots, self.dim, dtype=dtype, device=self.device)
-        self.cache_state = {
-            k: torch.zeros((self.num_slots, *v.shape[1:]), dtype=v.dtype, device=self.device)
-            for k, v in self.host_state.items()
-        }
+        self._allocate_cache(self.num_slots)
         self.row_bytes = self.dim * host_weight.element_size() + sum(
             v[0].numel() * v.element_size() for v in self.host_state.values() if v.shape[0]
         )
 
-        # Bookkeeping lives on the host whatever the device: it is consulted by the planner.
-        # The one per-host-row map is int32 (4 bytes a row, 1.6% of a 64-dim fp32 row): the
-        # cache has far fewer than 2**31 slots. Slot ids leave it as int64 (index dtype).
-        self.row_to_slot = torch.full((self.num_rows,), -1, dtype=torch.int32)
-        self.slot_to_row = torch.full((self.num_slots,), -1, dtype=torch.int64)
-        self.pins = torch.zeros(self.num_slots, dtype=torch.int32)
-        self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
-        self.permanent = torch.zeros(self.num_slots, dtype=torch.bool)
-        self.ranking = SlotRanking(EvictionPolicy.parse(policy), self.num_slots, self.num_rows)
-        # NumPy views of the maps for the hot path (the tensors stay the owners: never
-        # reassign them, only write into them).
-        self._row_to_slot, self._slot_to_row = self.row_to_slot.numpy(), self.slot_to_row.numpy()
-        self._pins, self._dirty, self._permanent = self.pins.numpy(), self.dirty.numpy(), self.permanent.numpy()
+        self.policy = EvictionPolicy.parse(policy)
+        self._allocate_bookkeeping()
         self.stats = TableStats()
         self._in_flight = 0  # plans issued and not yet released
         self._hot_rows = None if hot_rows is None else torch.unique(hot_rows.to(torch.int64))
@@ -267,6 +264,29 @@ class TieredTable:
         # copied in at the first plan, not now: the host tier may still be loaded (weights,
         # then optimizer state) before training starts, and the cache must see the result.
         self._preload_pending = True
+
+    def _allocate_cache(self, rows: int) -> None:
+        dtype = self.host_weight.dtype
+        self.cache_weight = torch.zeros(rows, self.dim, dtype=dtype, device=self.device)
+        self.cache_state = {
+            k: torch.zeros((rows, *v.shape[1:]), dtype=v.dtype, device=self.device)
+            for k, v in self.host_state.items()
+        }
+
+    def _allocate_bookkeeping(self) -> None:
+        # Bookkeeping lives on the host whatever the device: it is consulted by the planner.
+        # The one per-host-row map is int32 (4 bytes a row, 1.6% of a 64-dim fp32 row): the
+        # cache has far fewer than 2**31 slots. Slot ids leave it as int64 (index dtype).
+        self.row_to_slot = torch.full((self.num_rows,), -1, dtype=torch.int32)
+        self.slot_to_row = torch.full((self.num_slots,), -1, dtype=torch.int64)
+        self.pins = torch.zeros(self.num_slots, dtype=torch.int32)
+        self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
+        self.permanent = torch.zeros(self.num_slots, dtype=torch.bool)
+        self.ranking = SlotRanking(self.policy, self.num_slots, self.num_rows)
+        # NumPy views of the maps for the hot path (the tensors stay the owners: never
+        # reassign them, only write into them).
+        self._row_to_slot, self._slot_to_row = self.row_to_slot.numpy(), self.slot_to_row.numpy()
+        self._pins, self._dirty, self._permanent = self.pins.numpy(), self.dirty.numpy(), self.permanent.numpy()
 
     @property
     def step(self) -> int:
@@ -646,7 +666,7 @@ class TieredTable:
     def __repr__(self) -> str:
         return (
             f"TieredTable(name={self.name!r}, rows={self.num_rows}, dim={self.dim}, "
-            f"slots={self.num_slots}, policy={self.ranking.policy.value}, optim={self.optimizer.optim.value})"
+            f"slots={self.num_slots}, policy={self.policy.value}, optim={self.optimizer.optim.value})"
         )
 
 

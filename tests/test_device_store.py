@@ -1,0 +1,198 @@
+"""The device-side store (``DeviceTieredTable``): planning with fixed-shape ops, exact for any
+cache size and depth, deterministic backward, and no host read of device data - the last
+proven on this CPU-only machine by running the training-thread path on fake CUDA tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrec_proactive.fetch import FetchEngine
+from torchrec_proactive.fetch.lookahead import run_lookahead
+from torchrec_proactive.store import (
+    DeviceTieredTable,
+    OptimizerConfig,
+    OptimType,
+    Segment,
+    TieredTable,
+    plan_device_batch,
+    unique_rows,
+    pooled_lookup,
+    pooled_lookup_group,
+)
+from torchrec_proactive.store import lookup as lookup_module
+from torchrec_proactive.store.fixed_shape import compact, padded_unique, segment_sum
+from torchrec_proactive.store.sync_detector import HostSyncError, fake_cuda
+
+
+# ---------------------------------------------------------------------- fixed-shape ops
+@pytest.mark.parametrize("n", [0, 1, 7, 2000])
+def test_fixed_shape_ops_equal_their_data_dependent_versions(n):
+    g = torch.Generator().manual_seed(n)
+    values = torch.randint(0, 97, (n,), generator=g)
+    unique, inverse, count = padded_unique(values, pad=-5)
+    ref_unique, ref_inverse = torch.unique(values, sorted=True, return_inverse=True)
+    assert int(count) == ref_unique.numel() and unique.shape == (n,)
+    assert torch.equal(unique[: int(count)], ref_unique) and bool((unique[int(count):] == -5).all())
+    assert torch.equal(inverse, ref_inverse)
+    mask = torch.rand(n, generator=g) < 0.3
+    kept, doubled, num = compact(mask, -1, values, values * 2)
+    assert int(num) == int(mask.sum()) and torch.equal(kept[: int(num)], values[mask])
+    assert torch.equal(doubled[: int(num)], 2 * values[mask]) and bool((kept[int(num):] == -1).all())
+    grads = torch.randn(n, 8, generator=g)
+    # Bit for bit what index_add_ gives on CPU (same additions, same order per row).
+    assert torch.equal(segment_sum(values, grads, 97), torch.zeros(97, 8).index_add_(0, values, grads))
+
+
+# ---------------------------------------------------------------------- exactness
+ROWS, DIM = 3000, 8
+
+
+def _batches(steps=10, bags=64, per_bag=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        # Zipf-ish: a hot head and a cold tail, with repeats inside a batch.
+        hot = torch.randint(0, 50, (bags * per_bag // 2,), generator=g)
+        cold = torch.randint(0, ROWS, (bags * per_bag - hot.numel(),), generator=g)
+        values = torch.cat([hot, cold])[torch.randperm(bags * per_bag, generator=g)]
+        lengths = torch.randint(0, 2 * per_bag, (bags,), generator=g)
+        lengths[-1] = 0
+        lengths[-1] = bags * per_bag - int(lengths.sum()) if int(lengths.sum()) < bags * per_bag else 0
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).clamp(max=values.numel())
+        offsets[-1] = values.numel()
+        out.append((values, offsets, None, torch.randn(bags, DIM, generator=g)))
+    return out
+
+
+def _train(table_cls, slots, depth, optim, batches):
+    torch.manual_seed(0)
+    init = torch.randn(ROWS, DIM)
+    cfg = OptimizerConfig(optim, learning_rate=0.05)
+    segments = [Segment("a", 0, 1000), Segment("b", 1000, ROWS - 1000)]
+    table = table_cls("a+b", init.clone(), cfg, num_slots=slots, segments=segments)
+    engine = FetchEngine()
+    anchor = torch.empty(0, requires_grad=True)
+    outs = []
+
+    def consume(i, tb, batch):
+        out = pooled_lookup(tb, anchor)
+        out.backward(batch[3])
+        outs.append(out.detach())
+
+    run_lookahead(table, engine, batches, depth, consume)
+    if isinstance(table, DeviceTieredTable):
+        for plan in table.flush_chunks(chunk=700):
+            engine.run([plan])
+        table.check_invariants(expect_drained=True)
+    else:
+        engine.flush([table])
+    return outs, table
+
+
+@pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+def test_device_planner_is_bit_identical_to_the_host_planner_for_any_cache_and_depth(optim):
+    batches = _batches()
+    ref_outs, ref = _train(TieredTable, ROWS, 0, optim, batches)  # every row resident, host planner
+    # 30 slots: smaller than one batch's rows (overflow); 400: prefetches wait; 3000: all.
+    for slots in (30, 400, ROWS):
+        for depth in (0, 1, 4):
+            outs, table = _train(DeviceTieredTable, slots, depth, optim, batches)
+            assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs)), (slots, depth)
+            assert torch.equal(table.host_weight, ref.host_weight), (slots, depth)
+            for k, v in ref.host_state.items():
+                assert torch.equal(table.host_state[k], v), (slots, depth, k)
+            if slots == 30:
+                assert table.stats.overflow_rows > 0 and table.host_syncs > 0
+            else:
+                assert table.stats.overflow_rows == 0 and table.host_syncs == 0
+            if slots < ROWS:
+                assert table.stats.rows_written_back > 0
+
+
+def test_a_prefetch_that_may_not_fit_waits_and_says_why():
+    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100)
+    first = plan_device_batch(table, torch.arange(60), torch.arange(61))
+    assert table.pinned_bound == 60 and table.surely_fits(40) and not table.surely_fits(41)
+    with pytest.raises(Exception, match=r"table 't': a batch of 41 ids may need 41 slots beside the 60"):
+        plan_device_batch(table, torch.arange(100, 141), torch.arange(42), depth_hint=1)
+    FetchEngine().run([first.plan])
+    # Once the fetch has read the plan's sizes back, the bound is the exact unique count.
+    table.release(first.plan)
+    assert table.pinned_bound == 0
+    table.check_invariants(expect_drained=True)
+
+
+def test_a_non_finite_gradient_skips_the_group_update_and_is_reported_later():
+    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(OptimType.ADAM), num_slots=500)
+    engine = FetchEngine()
+    tb = plan_device_batch(table, torch.tensor([3, 5, 3]), torch.tensor([0, 2, 3]))
+    engine.run([tb.plan])
+    before = table.cache_weight.clone(), {k: v.clone() for k, v in table.cache_state.items()}
+    out = pooled_lookup_group([tb], torch.empty(0, requires_grad=True))[0]
+    out.backward(torch.full_like(out, float("nan")))  # no exception on the training thread ...
+    assert torch.equal(table.cache_weight, before[0])
+    assert all(torch.equal(table.cache_state[k], v) for k, v in before[1].items())
+    assert table.poll_skipped() == 1 and table.poll_skipped() == 0  # ... reported once, later
+    table.check_invariants(expect_drained=True)
+
+
+# ---------------------------------------------------------------------- no host syncs
+def _steady_state_steps(table, steps=3, n=256):
+    """What the training thread does per step on a device table: plan a batch (ids already on
+    the device), look it up, backward with the fused update. Moving bytes is the fetch
+    worker's job, not this thread's."""
+    for step in range(steps):
+        ids = torch.randint(0, table.num_rows, (n,), device=table.device)
+        offsets = torch.arange(0, n + 1, 4, device=table.device)
+        tb = plan_device_batch(table, ids, offsets)
+        # The two halves of the lookup's autograd node, called directly: autograd's engine
+        # cannot run fake CUDA tensors on a CPU-only build (it only routes the calls).
+        out = lookup_module.pool_group([tb], [None])[0]
+        lookup_module.update_group([tb], [None], [torch.ones_like(out)], [])
+        table.poll_skipped()
+
+
+@pytest.mark.parametrize("optim", list(OptimType))
+def test_the_training_thread_never_reads_device_data(optim):
+    host = torch.randn(ROWS, DIM)
+    with fake_cuda() as guard:
+        table = DeviceTieredTable("t", host, OptimizerConfig(optim), num_slots=1000, device="cuda")
+        assert table.cache_weight.device.type == "cuda"
+        _steady_state_steps(table)
+    ops = set(guard.ops)
+    # It really ran the planner, the lookup and the fused update on the (fake) device.
+    for op in ("aten.sort.stable", "embedding_bag", "aten.index_add_.default", "aten.index_copy_.default"):
+        assert any(op in name for name in ops), (op, sorted(ops))
+
+
+def test_the_detector_catches_a_planted_item_in_the_lookup(monkeypatch):
+    real = lookup_module._value_rows
+
+    def reads_a_value(batch):
+        int(batch.slot_ids.max().item())  # the kind of line that would stall a GPU step
+        return real(batch)
+
+    monkeypatch.setattr(lookup_module, "_value_rows", reads_a_value)
+    with fake_cuda():
+        table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=1000, device="cuda")
+        ids = torch.randint(0, ROWS, (64,), device="cuda")
+        tb = plan_device_batch(table, ids, torch.arange(0, 65, device="cuda"), one_per_bag=True)
+        with pytest.raises(HostSyncError, match="_local_scalar_dense"):
+            lookup_module.pool_group([tb], [None])
+
+
+@pytest.mark.parametrize("line", ["cpu", "bool", "unique"])
+def test_the_detector_catches_other_host_reads(line):
+    with fake_cuda():
+        t = torch.randint(0, 9, (16,), device="cuda")
+        with pytest.raises(HostSyncError):
+            {"cpu": lambda: t.cpu(), "bool": lambda: bool((t > 3).any()), "unique": lambda: torch.unique(t)}[line]()
+
+
+def test_the_host_planner_would_not_pass_the_detector():
+    """The detector is not vacuous: the host planner starts by bringing the ids to the host."""
+    with fake_cuda():
+        ids = torch.randint(0, ROWS, (64,), device="cuda")
+        with pytest.raises(HostSyncError, match="copied to the host"):
+            unique_rows(ids)

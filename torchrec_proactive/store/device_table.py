@@ -1,0 +1,553 @@
+"""A tiered table whose planning runs on the cache's device, with no host synchronisation.
+
+Why: at GPU batch sizes host planning costs more than the step it must hide behind
+(``unique`` + plan of 2M Zipf ids: ~100 ms on one core, where a DLRM step on H100s takes a
+few ms), and it needs the ids on the host, which is itself a sync. So, as FBGEMM's UVM
+cache does (``linearize_cache_indices -> lru_cache_find_uncached -> lru_cache_populate ->
+lxu_cache_lookup``), the bookkeeping lives on the device and a plan is a fixed sequence of
+tensor ops whose shapes depend only on the number of ids (``fixed_shape.py``). The
+training thread enqueues them and moves on; nothing here reads device memory on the host
+(``tests/test_device_store.py`` runs it on fake CUDA tensors under ``sync_detector``).
+
+Layout. Slot ``trash = num_slots`` and row ``sentinel = num_rows`` are one extra entry of
+every per-slot and per-row array: padding entries of a plan map to them, so every scatter
+can run at full length. They are bound to each other forever and never evicted. The cache
+has ``num_slots + 1`` rows for the same reason.
+
+What the host still decides, without reading the device:
+
+* *Does a prefetch surely fit?* ``pinned_bound`` adds up, over the batches in flight, the
+  number of their rows the host knows (a batch's id count until its plan's sizes come back
+  from the fetch worker, then its exact number of unique rows). If that bound plus the new
+  batch's id count exceeds the evictable slots, the prefetch waits (``CacheCapacityError``,
+  as on the host planner); otherwise every miss is guaranteed a victim.
+* *Overflow* (one batch larger than what the cache can give it) is planned only at a
+  batch's own lookup, which is on the critical path anyway; that path reads the plan's
+  sizes on the host (a synchronisation, counted in ``stats.host_syncs``).
+
+Victims are exact LRU (LFU: frequency, then recency): one sort of the per-slot rank per
+plan, pinned and permanent slots ranked last. Sizes of a plan (unique rows, fills,
+write-backs) reach the host through the fetch worker's read-back (``resolve_sizes``), where
+waiting costs the training thread nothing.
+
+Bookkeeping is owned by the stream that plans, looks up and updates (the compute stream);
+see ``fetch/staged.py`` for how bytes move between the host tier and the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import CacheCapacityError, InvalidInputError, StoreStateError
+from .eviction import EvictionPolicy
+from .fixed_shape import compact, padded_unique
+from .optimizers import update_rows
+from .tiered_table import TieredTable
+
+_NEVER = torch.iinfo(torch.int64).max
+
+
+@dataclass
+class DeviceFetchPlan:
+    """One batch's plan on a :class:`DeviceTieredTable`; every tensor lives on the device
+    and has the batch's id count ``n`` as its length (padding: sentinel row, trash slot).
+
+    ``rows[:num_unique]`` are the sorted unique rows, ``inverse`` maps each id to its row,
+    ``slots[i]`` is where ``rows[i]`` is read at lookup. ``fill_*`` and ``writeback_*`` are
+    compacted: their first ``num_fills`` / ``num_writebacks`` entries are real. The sizes
+    are device tensors; the host reads them only through :meth:`resolve_sizes` (the fetch
+    worker) or on the overflow path."""
+
+    table: "DeviceTieredTable"
+    n: int
+    rows: torch.Tensor
+    inverse: torch.Tensor
+    slots: torch.Tensor
+    fill_rows: torch.Tensor
+    fill_slots: torch.Tensor
+    writeback_rows: torch.Tensor
+    writeback_slots: torch.Tensor
+    counts: torch.Tensor  # [num_unique, num_fills, num_writebacks, num_overflow] (int64, device)
+    overflow_rows: Optional[torch.Tensor] = None  # compacted; only planned with overflow
+    overflow_weight: Optional[torch.Tensor] = None  # their host rows on the device, at lookup
+    released: bool = False
+    stage: str = "planned"
+    preload: bool = False
+    num_preloaded: int = 0
+    # Host copies of ``counts``, once someone who may wait has read them.
+    sizes: Optional[Tuple[int, int, int, int]] = None
+    row_bound: int = field(default=0)  # what the host counts this plan as pinning
+
+    # -- the FetchPlan protocol (lookup.py, the fetch engine, the kernel's statistics)
+    def device_slots(self) -> torch.Tensor:
+        return self.slots
+
+    @property
+    def num_overflow(self) -> int:
+        return 0 if self.overflow_rows is None else self._size(3)
+
+    @property
+    def overflow_base(self) -> int:
+        """The first slot id that means "overflow row" rather than "cache slot"."""
+        return self.table.num_slots + 1
+
+    def lookup_weight(self) -> torch.Tensor:
+        return self.table.cache_weight
+
+    def resolve_sizes(self) -> Tuple[int, int, int, int]:
+        """Reads the plan's sizes on the host (blocks until its planning ran on the device:
+        call it where waiting is free, e.g. on the fetch worker)."""
+        if self.sizes is None:
+            self.sizes = tuple(int(v) for v in self.counts.tolist())  # type: ignore[assignment]
+            self.table._sizes_known(self)  # noqa: SLF001
+        return self.sizes  # type: ignore[return-value]
+
+    def _size(self, i: int) -> int:
+        if self.sizes is None:
+            raise StoreStateError(
+                f"table '{self.table.name}': the sizes of a device plan are known once its fetch ran"
+            )
+        return self.sizes[i]
+
+    @property
+    def num_rows(self) -> int:
+        return self._size(0)
+
+    @property
+    def num_fills(self) -> int:
+        return self._size(1)
+
+    @property
+    def num_writebacks(self) -> int:
+        return self._size(2)
+
+    @property
+    def num_hits(self) -> int:
+        return self.num_rows - (self.num_fills - self.num_preloaded) - self.num_overflow
+
+    @property
+    def bytes_to_move(self) -> int:
+        return self.table.row_bytes * (self.num_fills + self.num_writebacks)
+
+
+class DeviceTieredTable(TieredTable):
+    """:class:`TieredTable` with its bookkeeping and planning on ``device`` (see the module
+    docstring). Same constructor; the host maps of the base class are not used.
+
+    Invariants (``check_invariants``, which reads the device and is for tests):
+    ``row_to_slot``/``slot_to_row`` inverse on occupied slots; the trash slot and the
+    sentinel row bound to each other; pins never negative, zero when drained.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._tick = 0
+        self._num_permanent = 0 if self._hot_rows is None else int(self._hot_rows.numel())
+        self._bounds: Dict[int, int] = {}  # id(plan) -> rows the host counts it as pinning
+        self.host_syncs = 0  # overflow plans read their sizes on the host
+        # Updates skipped for non-finite gradients, counted on the device and reported by
+        # ``poll_skipped`` once the count has reached the host without a wait.
+        self.d_skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._skipped_seen = 0
+        self._skipped_copy: Optional[Tuple[torch.Tensor, object]] = None
+        self._host_step: Optional[int] = 0
+
+    def _allocate_cache(self, rows: int) -> None:
+        # One more cache row (the trash slot's), so padded scatters need no mask.
+        super()._allocate_cache(rows + 1)
+
+    def _allocate_bookkeeping(self) -> None:
+        S, R, dev = self.num_slots, self.num_rows, self.device
+        self.trash, self.sentinel = S, R
+        self.d_row_to_slot = torch.full((R + 1,), -1, dtype=torch.int64, device=dev)
+        self.d_slot_to_row = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
+        self.d_pins = torch.zeros(S + 1, dtype=torch.int64, device=dev)
+        self.d_dirty = torch.zeros(S + 1, dtype=torch.bool, device=dev)
+        self.d_blocked = torch.zeros(S + 1, dtype=torch.bool, device=dev)  # permanent, and trash
+        self.d_last_used = torch.zeros(S + 1, dtype=torch.int64, device=dev)
+        self.d_row_freq = (torch.zeros(R + 1, dtype=torch.int64, device=dev)
+                           if self.policy is EvictionPolicy.LFU else None)
+        self._bind_trash()
+
+    def _bind_trash(self) -> None:
+        # (narrow + fill_, not item assignment: see sync_detector on fake CUDA tensors)
+        self.d_row_to_slot.narrow(0, self.sentinel, 1).fill_(self.trash)
+        self.d_slot_to_row.narrow(0, self.trash, 1).fill_(self.sentinel)
+        self.d_blocked.narrow(0, self.trash, 1).fill_(True)
+        self.d_dirty.narrow(0, self.trash, 1).fill_(False)
+
+    # ------------------------------------------------------------------ planning
+    @property
+    def pinned_bound(self) -> int:
+        """An upper bound on the slots pinned by batches in flight, known on the host."""
+        return sum(self._bounds.values())
+
+    def surely_fits(self, num_ids: int) -> bool:
+        """True when a batch of ``num_ids`` ids fits beside the batches in flight whatever
+        its ids are (so its plan needs no overflow)."""
+        return self.holds_every_row or self.pinned_bound + num_ids <= self.num_slots - self._num_permanent
+
+    def plan_ids(self, ids: torch.Tensor, depth_hint: Optional[int] = None,
+                 overflow: bool = False) -> DeviceFetchPlan:
+        """Plans and pins the rows of ``ids`` (store rows, int64, on the device, any order,
+        duplicates allowed; out-of-range ids are refused by the caller's checks).
+
+        Without ``overflow`` raises ``CacheCapacityError`` (changing nothing) unless the batch
+        surely fits (``surely_fits``). With it, misses that find no victim are served from
+        the host tier (a synchronisation: this path reads the plan's sizes)."""
+        n = int(ids.shape[0])
+        if not overflow and not self.surely_fits(n):
+            self._raise_wait(n, depth_hint)
+        preload = self._plan_preload() if self._preload_pending else None
+        S = self.num_slots
+        rows, inverse, num_unique = padded_unique(ids.to(torch.int64), self.sentinel)
+        slots = self.d_row_to_slot.index_select(0, rows)
+        miss = slots < 0
+        tracked = not self.holds_every_row
+        if tracked:
+            # Pin the hits first, so that the victim search cannot choose them.
+            self.d_pins.index_add_(0, torch.where(miss, self.trash, slots), torch.ones_like(slots))
+        # Victims: every slot ranked (blocked last), lowest first; miss j takes the j-th.
+        k = min(n, S + 1)
+        ranked = torch.argsort(self._rank(), stable=True).narrow(0, 0, k)
+        evictable = (self.d_pins == 0) & self.d_blocked.logical_not()
+        num_evictable = evictable.sum()
+        miss_rank = torch.cumsum(miss, 0) - 1
+        has_victim = miss & (miss_rank < num_evictable) & (miss_rank < k)
+        victims = torch.where(has_victim, ranked.index_select(0, miss_rank.clamp(0, k - 1)),
+                              torch.full_like(slots, self.trash))
+        old_rows = self.d_slot_to_row.index_select(0, victims)
+        evicts = has_victim & (old_rows >= 0)
+        writes_back = evicts & self.d_dirty.index_select(0, victims)
+        # Bookkeeping: the evicted rows leave, the missing rows take their slots.
+        sentinel = torch.full_like(rows, self.sentinel)
+        trash = torch.full_like(slots, self.trash)
+        self.d_row_to_slot.index_copy_(0, torch.where(evicts, old_rows, sentinel), torch.where(evicts, -1, trash))
+        self.d_row_to_slot.index_copy_(0, torch.where(has_victim, rows, sentinel), victims)
+        self.d_slot_to_row.index_copy_(0, victims, torch.where(has_victim, rows, sentinel))
+        self.d_dirty.index_fill_(0, victims, False)  # (trash is never dirty: harmless)
+        if tracked:
+            self.d_pins.index_add_(0, victims, has_victim.to(torch.int64))
+        overflows = miss & has_victim.logical_not()
+        slots = torch.where(has_victim, victims, slots)
+        overflow_rows = None
+        if overflow:
+            over_rank = torch.cumsum(overflows, 0) - 1
+            slots = torch.where(overflows, S + 1 + over_rank, slots)
+            (overflow_rows, num_overflow) = compact(overflows, self.sentinel, rows)
+        else:
+            num_overflow = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Recency (and frequency) of the rows read from the cache.
+        self._tick += 1
+        cached = torch.where(overflows, self.trash, slots)
+        self.d_last_used.index_fill_(0, cached, self._tick)
+        if self.d_row_freq is not None:
+            self.d_row_freq.index_add_(0, torch.where(overflows, self.sentinel, rows), torch.ones_like(rows))
+        fill_rows, fill_slots, num_fills = compact(has_victim, self.sentinel, rows, victims)
+        fill_slots = torch.where(fill_rows == self.sentinel, self.trash, fill_slots)
+        wb_rows, wb_slots, num_wb = compact(writes_back, self.sentinel, old_rows, victims)
+        wb_slots = torch.where(wb_rows == self.sentinel, self.trash, wb_slots)
+        num_preloaded = 0
+        if preload is not None:
+            p_rows, p_slots = preload
+            num_preloaded = int(p_rows.shape[0])
+            fill_rows, fill_slots = torch.cat([p_rows, fill_rows]), torch.cat([p_slots, fill_slots])
+            num_fills = num_fills + num_preloaded
+        counts = torch.stack([num_unique, num_fills, num_wb, num_overflow])
+        plan = DeviceFetchPlan(self, n, rows, inverse, slots, fill_rows, fill_slots, wb_rows, wb_slots, counts,
+                               overflow_rows=overflow_rows, preload=preload is not None,
+                               num_preloaded=num_preloaded, row_bound=n if tracked else 0)
+        self._in_flight += 1
+        self._bounds[id(plan)] = plan.row_bound
+        if overflow:
+            plan.resolve_sizes()  # (the one place a plan's sizes are read where the caller waits)
+            self.host_syncs += 1
+        return plan
+
+    def _rank(self) -> torch.Tensor:
+        """Per slot, its eviction rank (lower goes first); pinned, permanent and trash last.
+        Never-used slots have ``last_used == 0`` and go first."""
+        rank = self.d_last_used
+        if self.d_row_freq is not None:
+            freq = self.d_row_freq.index_select(0, self.d_slot_to_row.clamp(min=0))
+            rank = torch.where(self.d_slot_to_row >= 0, (freq << 32) + rank, rank)
+        return torch.where((self.d_pins > 0) | self.d_blocked, _NEVER, rank)
+
+    def _plan_preload(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Maps the rows resident from the start (every row of a full cache, or the hot rows);
+        they move with the first plan's fills."""
+        self._preload_pending = False
+        dev = self.device
+        if self.holds_every_row and self.num_rows:
+            rows = torch.arange(self.num_rows, dtype=torch.int64, device=dev)
+            self.d_slot_to_row.narrow(0, 0, self.num_rows).copy_(rows)
+            self.d_row_to_slot.narrow(0, 0, self.num_rows).copy_(rows)
+            return rows, rows.clone()
+        if self._hot_rows is None or self._hot_rows.numel() == 0:
+            empty = torch.empty(0, dtype=torch.int64, device=dev)
+            return empty, empty
+        hot = self._hot_rows.to(dev, non_blocking=True)
+        slots = torch.arange(hot.shape[0], dtype=torch.int64, device=dev)
+        self.d_slot_to_row.index_copy_(0, slots, hot)
+        self.d_row_to_slot.index_copy_(0, hot, slots)
+        self.d_blocked.index_fill_(0, slots, True)
+        return hot, slots
+
+    def _raise_wait(self, n: int, depth: Optional[int]) -> None:
+        free = self.num_slots - self._num_permanent
+        msg = (f"table '{self.name}': a batch of {n} ids may need {n} slots beside the {self.pinned_bound} "
+               f"that {self._in_flight} in-flight batch(es) may pin, and the device cache has {free} evictable slots")
+        if depth is not None:
+            msg += f" (prefetch_depth={depth}: about {(depth + 1) * n} slots avoid waiting)"
+        raise CacheCapacityError(msg)
+
+    def _sizes_known(self, plan: DeviceFetchPlan) -> None:
+        if id(plan) in self._bounds and not plan.released:
+            plan.row_bound = plan.sizes[0] if not self.holds_every_row else 0  # type: ignore[index]
+            self._bounds[id(plan)] = plan.row_bound
+        st = self.stats
+        st.lookups_rows += plan.num_rows
+        st.hits += plan.num_hits
+        st.rows_fetched += plan.num_fills - plan.num_preloaded
+        st.rows_written_back += plan.num_writebacks
+        st.bytes_moved += plan.bytes_to_move
+        st.overflow_rows += plan.num_overflow
+
+    # ------------------------------------------------------------------ data moves
+    @torch.no_grad()
+    def transfer(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
+        """All of a plan's moves at once, for transports that copy synchronously (CPU):
+        write back the dirty victims, then fill the missing rows (and the overflow rows'
+        lookup buffer). Reads the plan's sizes: call it where waiting is free."""
+        num_unique, num_fills, num_wb, num_over = plan.resolve_sizes()
+        if num_wb:
+            self.write_back(plan.writeback_slots.narrow(0, 0, num_wb), plan.writeback_rows.narrow(0, 0, num_wb))
+        plan.stage = "written_back"
+        if num_fills:
+            rows = plan.fill_rows.narrow(0, 0, num_fills)
+            host_rows = rows.to("cpu") if rows.device.type != "cpu" else rows
+            self.fill(plan.fill_slots.narrow(0, 0, num_fills), self.gather_host(host_rows))
+        if num_over:
+            over = plan.overflow_rows.narrow(0, 0, num_over)  # type: ignore[union-attr]
+            plan.overflow_weight = self.host_weight.index_select(0, over.to("cpu")).to(self.device)
+        plan.stage = "done"
+
+    def gather_host(self, rows: torch.Tensor) -> List[torch.Tensor]:
+        """The host tier's weight and state rows ``rows`` (host indices), in that order."""
+        return [self.host_weight.index_select(0, rows)] + [v.index_select(0, rows) for v in self.host_state.values()]
+
+    def fill(self, slots: torch.Tensor, parts: List[torch.Tensor]) -> None:
+        """Writes rows (weight, then each state, as ``gather_host`` orders them) into ``slots``."""
+        for cache, part in zip([self.cache_weight, *self.cache_state.values()], parts):
+            cache.index_copy_(0, slots, part.to(cache.device, non_blocking=True))
+
+    def write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        host_rows = rows.to("cpu") if rows.device.type != "cpu" else rows
+        for cache, host in zip([self.cache_weight, *self.cache_state.values()], [self.host_weight, *self.host_state.values()]):
+            host.index_copy_(0, host_rows, cache.index_select(0, slots).to("cpu"))
+
+    def rollback(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
+        """Undoes the bookkeeping of a plan whose moves did not all happen (see the base
+        class); fixed-shape, on the device."""
+        if plan.stage == "done":
+            return
+        trash, sentinel = self.trash, self.sentinel
+        filled = plan.fill_rows != sentinel
+        mapped = filled & (self.d_row_to_slot.index_select(0, plan.fill_rows) == plan.fill_slots)
+        self.d_row_to_slot.index_copy_(0, torch.where(mapped, plan.fill_rows, sentinel),
+                                       torch.where(mapped, -1, torch.full_like(plan.fill_slots, trash)))
+        gone = torch.where(mapped, plan.fill_slots, trash)
+        self.d_slot_to_row.index_copy_(0, gone, torch.where(mapped, -1, torch.full_like(gone, sentinel)))
+        self.d_blocked.index_fill_(0, gone, False)
+        self._bind_trash()
+        if plan.stage == "planned":
+            wb = plan.writeback_rows != sentinel
+            self.d_slot_to_row.index_copy_(0, plan.writeback_slots, torch.where(wb, plan.writeback_rows, sentinel))
+            self.d_row_to_slot.index_copy_(0, plan.writeback_rows, torch.where(wb, plan.writeback_slots, trash))
+            self.d_dirty.index_fill_(0, plan.writeback_slots, True)
+            self._bind_trash()
+        if plan.preload:
+            self._preload_pending = True
+        plan.stage = "done"
+
+    # ------------------------------------------------------------------ backward
+    @torch.no_grad()
+    def apply_gradients(self, plan: DeviceFetchPlan, row_grads: torch.Tensor, checked: bool = False,  # type: ignore[override]
+                        ok: Optional[torch.Tensor] = None) -> None:
+        """Applies the fused optimizer to the plan's rows (all ``n`` entries: padding rows
+        have a zero gradient and live in the trash slot) and releases the plan.
+
+        ``ok`` (a 0-d device bool) skips the update without a host read when False: every
+        row keeps its value and state (the caller reports the skip later)."""
+        if row_grads.shape != (plan.n, self.dim):
+            raise InvalidInputError(
+                f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match ({plan.n}, {self.dim})"
+            )
+        # The step count on the host, so that reading it is no device read (and no read of
+        # a tensor at all: under the sync detector host tensors are fake too).
+        self._host_step = self.step_count() + 1
+        self.steps.fill_(self._host_step)
+        step = self._host_step
+        if plan.overflow_rows is None or plan.num_overflow == 0:
+            self._masked_update(plan.slots, row_grads, step, ok)
+        else:  # overflow (its sizes were read when it was planned): the exact host path
+            in_cache = plan.slots < plan.overflow_base
+            cached = torch.where(in_cache, plan.slots, self.trash)
+            self._masked_update(cached, row_grads * in_cache.unsqueeze(1), step, ok)
+            over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)  # type: ignore[union-attr]
+            ranks = (plan.slots - plan.overflow_base).clamp(min=0)
+            order = torch.argsort(torch.where(in_cache, plan.n, ranks), stable=True).narrow(0, 0, plan.num_overflow)
+            grads = row_grads.index_select(0, order)
+            if ok is None or bool(ok):
+                self._update_host(over.to("cpu"), grads, step)
+        self.d_dirty.index_fill_(0, torch.where(plan.slots < self.num_slots, plan.slots, self.trash), True)
+        self.d_dirty.narrow(0, self.trash, 1).fill_(False)
+        self.stats.updates += 1
+        self.release(plan)
+
+    def step_count(self) -> int:
+        """Optimizer steps taken, kept on the host; re-read from ``steps`` after a load
+        (``invalidate``) or ``step = ...``."""
+        if self._host_step is None:
+            self._host_step = int(self.steps)
+        return self._host_step
+
+    @property
+    def step(self) -> int:
+        return self.step_count()
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.steps.fill_(int(value))
+        self._host_step = int(value)
+
+    def note_update(self, ok: torch.Tensor) -> None:
+        """Counts, on the device, an update skipped because ``ok`` (0-d bool) is False."""
+        self.d_skipped.add_(ok.logical_not().to(torch.int64))
+
+    def poll_skipped(self) -> int:
+        """Updates skipped for non-finite gradients that the host learnt of since the last
+        call, read without waiting: on CUDA the count is copied into pinned memory behind
+        the work already queued, and read at a later call once that copy has landed."""
+        if self.device.type == "cpu":
+            total = int(self.d_skipped)
+        elif self.device.type == "cuda" and torch.cuda.is_available():
+            total = self._skipped_seen
+            if self._skipped_copy is not None and self._skipped_copy[1].query():  # type: ignore[attr-defined]
+                total = int(self._skipped_copy[0])
+                self._skipped_copy = None
+            if self._skipped_copy is None:
+                buf = torch.empty((), dtype=torch.int64, pin_memory=True)
+                buf.copy_(self.d_skipped, non_blocking=True)
+                self._skipped_copy = (buf, torch.cuda.current_stream(self.device).record_event())
+        else:  # fake tensors (sync_detector): nothing to read
+            return 0
+        new, self._skipped_seen = total - self._skipped_seen, total
+        return new
+
+    def _masked_update(self, slots: torch.Tensor, grads: torch.Tensor, step: int, ok: Optional[torch.Tensor]) -> None:
+        if ok is None:
+            self._update_cache(slots, grads, step)
+            return
+        # Update gathered copies, then keep them only where ``ok`` holds: fixed-shape, so a
+        # skipped update needs no host decision.
+        weight = self.cache_weight.index_select(0, slots)
+        state = {k: v.index_select(0, slots) for k, v in self.cache_state.items()}
+        new_w, new_s = weight.clone(), {k: v.clone() for k, v in state.items()}
+        local = torch.arange(slots.shape[0], device=slots.device)
+        update_rows(self.optimizer, new_w, new_s, local,
+                    grads if grads.dtype == new_w.dtype else grads.to(new_w.dtype), step)
+        self.cache_weight.index_copy_(0, slots, torch.where(ok, new_w, weight))
+        for k in state:
+            self.cache_state[k].index_copy_(0, slots, torch.where(ok, new_s[k], state[k]))
+
+    def release(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
+        """Unpins the plan's slots (idempotent; fixed-shape, on the device)."""
+        if plan.released:
+            return
+        plan.released = True
+        self._bounds.pop(id(plan), None)
+        if not self.holds_every_row:
+            cached = torch.where(plan.slots < self.num_slots, plan.slots, self.trash)
+            self.d_pins.index_add_(0, cached, torch.full_like(cached, -1))
+        self._in_flight -= 1
+
+    # ------------------------------------------------------------------ host tier
+    def flush_chunks(self, chunk: int = 65536) -> List[DeviceFetchPlan]:
+        """Write-back plans of every dirty slot, ``chunk`` slots each (bounded staging), that
+        leave those slots clean. Fixed-shape: a chunk with nothing dirty moves nothing."""
+        plans = []
+        for start in range(0, self.num_slots, chunk):
+            size = min(chunk, self.num_slots - start)
+            slots = torch.arange(start, start + size, dtype=torch.int64, device=self.device)
+            dirty = self.d_dirty.narrow(0, start, size).clone()
+            rows = self.d_slot_to_row.narrow(0, start, size)
+            wb_rows, wb_slots, num = compact(dirty, self.sentinel, rows, slots)
+            wb_slots = torch.where(wb_rows == self.sentinel, self.trash, wb_slots)
+            self.d_dirty.narrow(0, start, size).fill_(False)
+            empty = torch.full((size,), self.sentinel, dtype=torch.int64, device=self.device)
+            zero = torch.zeros((), dtype=torch.int64, device=self.device)
+            counts = torch.stack([zero, zero, num, zero])
+            plans.append(DeviceFetchPlan(self, size, empty, empty, empty, empty, torch.full_like(empty, self.trash),
+                                         wb_rows, wb_slots, counts, released=True))
+        return plans
+
+    def plan_flush(self) -> DeviceFetchPlan:  # type: ignore[override]
+        raise NotImplementedError("a device table flushes in chunks: use flush_chunks()")
+
+    def has_dirty(self) -> bool:
+        """Whether a flush is needed (a host read: for state_dict time, not the step)."""
+        return bool(self.d_dirty.any())
+
+    def invalidate(self) -> None:
+        if self._in_flight:
+            raise StoreStateError(
+                f"table '{self.name}': cannot invalidate the cache while {self._in_flight} "
+                f"batch(es) are in flight; drain the pipeline first"
+            )
+        self._host_step = None  # the host tier (and ``steps``) may have been loaded
+        self.d_row_to_slot.fill_(-1)
+        self.d_slot_to_row.fill_(-1)
+        self.d_dirty.fill_(False)
+        self.d_blocked.fill_(False)
+        self._bind_trash()
+        self._preload_pending = True
+
+    def resident_rows(self) -> torch.Tensor:
+        s2r = self.d_slot_to_row.narrow(0, 0, self.num_slots).cpu()
+        return s2r[s2r >= 0]
+
+    def bookkeeping_bytes(self) -> int:
+        tensors = [self.d_row_to_slot, self.d_slot_to_row, self.d_pins, self.d_dirty, self.d_blocked, self.d_last_used]
+        if self.d_row_freq is not None:
+            tensors.append(self.d_row_freq)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def check_invariants(self, expect_drained: bool = False) -> None:
+        """Reads the device bookkeeping on the host (tests and debug checks only)."""
+        s2r = self.d_slot_to_row.cpu()
+        r2s = self.d_row_to_slot.cpu()
+        pins = self.d_pins.narrow(0, 0, self.num_slots).cpu()
+        dirty = self.d_dirty.narrow(0, 0, self.num_slots).cpu()
+        problems = []
+        if int(s2r[self.trash]) != self.sentinel or int(r2s[self.sentinel]) != self.trash:
+            problems.append("the trash slot and the sentinel row came apart")
+        occ = torch.nonzero(s2r[: self.num_slots] >= 0).flatten()
+        rows = s2r[occ]
+        if rows.numel() != torch.unique(rows).numel():
+            problems.append("a row is mapped to two slots")
+        if not torch.equal(r2s[rows], occ):
+            problems.append("row_to_slot and slot_to_row disagree")
+        if int((r2s[: self.num_rows] >= 0).sum()) != occ.numel():
+            problems.append("row_to_slot maps rows to empty slots")
+        if bool((pins < 0).any()):
+            problems.append("a pin count went negative")
+        if bool((dirty & (s2r[: self.num_slots] < 0)).any()):
+            problems.append("an empty slot is marked dirty")
+        if expect_drained and (int(pins.sum()) != 0 or self._in_flight != 0):
+            problems.append(f"{int(pins.sum())} pins / {self._in_flight} plans left after drain")
+        if problems:
+            raise StoreStateError(f"table '{self.name}': " + "; ".join(problems))
