@@ -116,7 +116,8 @@ def _tiny_slots(tables, all_batches, depth: int) -> Dict[str, int]:
 
 def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], depths: List[int],
            caches: List[str], steps: int = 5, batch_size: int = 16, rows: int = 2000,
-           one_id_per_bag: bool = False, weighted: bool = False, pooling: str = "sum") -> Dict[str, Any]:
+           one_id_per_bag: bool = False, weighted: bool = False, pooling: str = "sum",
+           planner: str = "auto") -> Dict[str, Any]:
     """Every optimizer x cache size x depth against stock TorchRec (where it runs on CPU)."""
     tables = make_tables(4, rows=rows, dim=8, shared_feature=True, pooling=PoolingType[pooling.upper()])
     torch.manual_seed(123)
@@ -145,7 +146,8 @@ def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], dep
                     options = {"num_slots": {n: max(v, rows // 10) for n, v in tiny.items()}}
                 else:
                     options = {"cache_load_factor": 1.0}
-                sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), debug_checks=True, **options)
+                sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), debug_checks=True,
+                                                                 planner=planner, **options)
                 dmp, opt = _build(sharder, sharding, "fused_uvm_caching", tables, seed_state, weighted)
                 pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=k)
                 with warnings.catch_warnings(record=True) as caught:

@@ -65,6 +65,20 @@ def test_any_cache_size_and_depth_is_exact_vs_stock(name):
     assert warnings_of("1.0/k8") == [] and warnings_of("1.0/k0") == []
 
 
+@pytest.mark.parametrize("name,one_id_per_bag,weighted", [("mixed_with_dp", False, True), ("row_wise", True, False)])
+def test_the_device_planner_is_exact_vs_stock_through_torchrec(name, one_id_per_bag, weighted):
+    """The planner CUDA uses (fixed-shape, on the device: DeviceTieredTable), run on CPU through
+    TorchRec's sharding on 2 ranks: bit-identical across depths and caches, stock's numbers."""
+    depths, caches = [0, 2, 8], [0.005, 0.1, 1.0]
+    results = _check_matrix(run_ranks(
+        exactness_worker.matrix, world_size=2, timeout_s=600, sharding=SHARDINGS[name], optimizers=["rowwise_adagrad"],
+        depths=depths, caches=caches, planner="device", one_id_per_bag=one_id_per_bag, weighted=weighted,
+    ), n_runs=len(depths) * len(caches))
+    runs = [res["runs"] for res in results]
+    assert sum(r["rowwise_adagrad/0.005/k0"]["overflow_rows"] for r in runs) > 0
+    assert sum(r["rowwise_adagrad/0.005/k8"]["deferred_batches"] for r in runs) > 0
+
+
 @pytest.mark.parametrize("name,weighted,pooling", [
     ("table_wise", True, "sum"), ("column_wise", False, "mean"), ("row_wise", True, "sum"),
     ("table_row_wise", False, "mean"),

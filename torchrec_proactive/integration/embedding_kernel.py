@@ -39,7 +39,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine
 from ..store import (
+    DeviceTieredTable,
     EvictionPolicy,
+    IdOutOfRangeError,
     InvalidInputError,
     NotPrefetchedError,
     OptimizerConfig,
@@ -48,6 +50,7 @@ from ..store import (
     TableBatch,
     TieredTable,
     load_factor_advice,
+    plan_device_batch,
     plan_unique_rows,
     unique_rows,
     pooled_lookup_group,
@@ -164,7 +167,11 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._mode = "mean" if self._pooling == PoolingMode.MEAN else "sum"
         tables = config.embedding_tables
         self._host_buffer, self._host_views = host_buffer, list(host_weights)
-        self.store = TieredTable(
+        # On the device (CUDA by default) a batch is planned with fixed-shape tensor ops and
+        # the training thread never reads the ids on the host (DeviceTieredTable).
+        self._on_device = options.plans_on_device(self._device)
+        store_type = DeviceTieredTable if self._on_device else TieredTable
+        self.store = store_type(
             name="+".join(dict.fromkeys(t.name for t in tables)),  # column shards of a table: once
             host_weight=_group_host_tier(config, host_buffer, self._host_views),
             optimizer=self.optimizer_config,
@@ -180,6 +187,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             dtype=np.int64,
         )
         self._num_features = int(self._feature_start.shape[0])
+        self._feature_start_device = torch.from_numpy(self._feature_start).to(self._device)
         self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
@@ -333,6 +341,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         """The group's ids as unique store rows (no store state is read or written)."""
         if features.variable_stride_per_key():
             raise InvalidInputError(f"tables {self.table_names()}: variable batch size per feature is not supported")
+        if self._on_device:
+            return self._prepare_on_device(features)
         stride = features.stride()
         values = features.values()
         weights = features.weights_or_none()
@@ -363,11 +373,34 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         return PreparedBatch(unique, inverse, features.offsets(), one_per_bag, stride, int(values.numel()),
                              weights, sample_major)
 
+    def _prepare_on_device(self, features: KeyedJaggedTensor) -> PreparedBatch:
+        """The group's ids moved into the store's row space on their device: each id plus
+        the first row of its feature's table, the feature found from the KJT's offsets (one
+        ``searchsorted``, no host read). Unique rows are left to the device planner."""
+        values, offsets, stride = features.values(), features.offsets(), features.stride()
+        rows = values.to(torch.int64)
+        if self._num_features > 1 and bool(self._feature_start.any()):
+            # offsets[f * stride] is where feature f's ids start.
+            starts = offsets.index_select(
+                0, torch.arange(stride, self._num_features * stride, stride, device=offsets.device))
+            position = torch.arange(rows.shape[0], device=rows.device, dtype=starts.dtype)
+            feature = torch.searchsorted(starts, position, right=True)
+            rows = rows + self._feature_start_device.index_select(0, feature)
+        elif self._num_features == 1 and self._feature_start[0]:
+            rows = rows + int(self._feature_start[0])
+        return PreparedBatch(rows, None, offsets, False, stride, int(values.shape[0]),  # type: ignore[arg-type]
+                             features.weights_or_none(), False)
+
     def plan_prepared(self, prepared: PreparedBatch, overflow: bool = False) -> PlannedGroup:
         """Plans (and pins) a prepared batch; see ``plan_batch``."""
         p = prepared
-        batch = plan_unique_rows(self.store, p.rows, p.inverse, p.offsets, self._mode, self.prefetch_depth or None,
-                                 overflow=overflow, one_per_bag=p.one_per_bag)
+        if self._on_device:
+            self._report_device_checks()
+            batch = plan_device_batch(self.store, p.rows, p.offsets, self._mode,  # type: ignore[arg-type]
+                                      self.prefetch_depth or None, overflow=overflow)
+        else:
+            batch = plan_unique_rows(self.store, p.rows, p.inverse, p.offsets, self._mode, self.prefetch_depth or None,
+                                     overflow=overflow, one_per_bag=p.one_per_bag)
         if batch.plan.num_overflow and not self._warned_overflow:
             self._warned_overflow = True
             warnings.warn(
@@ -380,6 +413,25 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 stacklevel=2,
             )
         return PlannedGroup(self, batch, p.stride, p.num_values, p.weights, p.sample_major)
+
+    def _report_device_checks(self) -> None:
+        """Raises for what the device-side checks found at earlier batches (read without a
+        wait, so up to a step or so late: see ``AsyncCount``)."""
+        store: DeviceTieredTable = self.store  # type: ignore[assignment]
+        bad = store.bad_ids.poll()
+        if bad:
+            raise IdOutOfRangeError(
+                f"tables {self.table_names()}: {bad} id(s) of a recent batch were outside the tables' rows "
+                f"(ids must lie in [0, num_embeddings) of their table); they were looked up from a scratch row and trained no real row. "
+                f"On CUDA ids are checked on the device and reported at the next batch; run with the sharder's "
+                f"planner='host' to have them named before the all-to-all"
+            )
+        skipped = store.poll_skipped()
+        if skipped:
+            raise InvalidInputError(
+                f"tables {self.table_names()}: a non-finite gradient reached {skipped} recent update(s); each "
+                f"was skipped for the whole group, which is unchanged by it"
+            )
 
     def _sample_major_order(self, stride: int) -> torch.Tensor:
         """Value ``f * B + b`` (TorchRec's feature-major KJT order) goes to row ``b * F + f``."""

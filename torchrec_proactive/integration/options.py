@@ -24,6 +24,10 @@ class ProactiveOptions:
         link: model of the host-to-device link on CPU (``None`` = plain in-process copy).
             Ignored on CUDA, where the copy stream is the link.
         debug_checks: verify the store's invariants after every batch (slow; for tests).
+        planner: where batches are planned: ``"host"`` (NumPy bookkeeping; cheapest per op
+            at CPU batch sizes), ``"device"`` (fixed-shape tensor ops on the cache's device,
+            no host synchronisation: ``DeviceTieredTable``) or ``"auto"``: device on CUDA,
+            host on CPU.
     """
 
     cache_load_factor: float = 0.2
@@ -32,14 +36,21 @@ class ProactiveOptions:
     hot_rows: Mapping[str, torch.Tensor] = field(default_factory=dict)
     link: Optional[LinkModel] = None
     debug_checks: bool = False
+    planner: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.planner not in ("auto", "host", "device"):
+            raise ValueError(f"planner must be 'auto', 'host' or 'device', got {self.planner!r}")
         if not 0.0 < self.cache_load_factor <= 1.0:
             raise ValueError(f"cache_load_factor must be in (0, 1], got {self.cache_load_factor}")
         EvictionPolicy.parse(self.eviction_policy)
         for name, n in self.num_slots.items():
             if int(n) < 1:
                 raise ValueError(f"num_slots['{name}'] must be >= 1, got {n}")
+
+    def plans_on_device(self, device: torch.device) -> bool:
+        """Whether tables on ``device`` plan with ``DeviceTieredTable``."""
+        return self.planner == "device" or (self.planner == "auto" and torch.device(device).type != "cpu")
 
     def num_slots_for(self, table: str, local_rows: int, load_factor: float) -> int:
         if table in self.num_slots:

@@ -297,7 +297,9 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         Bad ids must be caught before they are bucketised and sent: after the all-to-all
         the receiving rank no longer knows which feature or sample they came from.
         """
-        if isinstance(features, KeyedJaggedTensor):
+        if isinstance(features, KeyedJaggedTensor) and features.values().device.type == "cpu":
+            # (Ids on a GPU are checked by the device planner instead, without a host read,
+            # and reported a batch later: see ProactiveEmbeddingBag._report_device_checks.)
             self._validator.check(features)
         return super().input_dist(ctx, features)
 
@@ -316,6 +318,16 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """
         if ctx is None:
             raise ValueError("ProactiveShardedEmbeddingBagCollection.prefetch needs the batch context")
+        if forward_stream is not None:
+            # TorchRec's PrefetchTrainPipelineSparseDist prefetches on a side stream that never
+            # waits for the fused updates on the compute stream; our cache has one owner, the
+            # stream that plans, looks up and updates it (see DeviceTieredTable).
+            raise NotImplementedError(
+                "proactive tables are prefetched by ProactiveTrainPipeline (it plans batch N+k while batch N "
+                "communicates); TorchRec's PrefetchTrainPipelineSparseDist prefetches on another stream than "
+                "the one that updates the cache, which would race with the fused updates. Use "
+                "ProactiveTrainPipeline (or TrainPipelineSparseDist / EvalPipelineSparseDist, which fetch at lookup)"
+            )
         ctx.fetch = None  # type: ignore[attr-defined]
         if not self._proactive_kernels:
             return

@@ -47,6 +47,8 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         link: on CPU, an emulated host-to-device link (bandwidth, latency) so the cost of
             cold fetches is visible; ``None`` copies in-process. Ignored on CUDA.
         debug_checks: verify store invariants after each lookup (tests, debugging).
+        planner: ``"auto"`` (on the device on CUDA, with no host synchronisation; on the host
+            on CPU), ``"device"`` or ``"host"``; see ``ProactiveOptions``.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         hot_rows: Optional[Mapping[str, torch.Tensor]] = None,
         link: Optional[LinkModel] = None,
         debug_checks: bool = False,
+        planner: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
@@ -70,6 +73,7 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             hot_rows=dict(hot_rows or {}),
             link=link,
             debug_checks=debug_checks,
+            planner=planner,
         )
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:

@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .errors import CacheCapacityError, InvalidInputError, StoreStateError
+from .async_count import AsyncCount
 from .eviction import EvictionPolicy
 from .fixed_shape import compact, padded_unique
 from .optimizers import update_rows
@@ -148,12 +149,13 @@ class DeviceTieredTable(TieredTable):
         self._num_permanent = 0 if self._hot_rows is None else int(self._hot_rows.numel())
         self._bounds: Dict[int, int] = {}  # id(plan) -> rows the host counts it as pinning
         self.host_syncs = 0  # overflow plans read their sizes on the host
-        # Updates skipped for non-finite gradients, counted on the device and reported by
-        # ``poll_skipped`` once the count has reached the host without a wait.
-        self.d_skipped = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._skipped_seen = 0
-        self._skipped_copy: Optional[Tuple[torch.Tensor, object]] = None
+        # Checks that run on the device count here; the host learns of them without a wait
+        # (a step or so late) and reports them: updates skipped for non-finite gradients,
+        # and ids outside the row space (planned as the sentinel row, never looked up).
+        self.skipped_updates = AsyncCount(self.device)
+        self.bad_ids = AsyncCount(self.device)
         self._host_step: Optional[int] = 0
+        self.owner_stream: Optional[object] = None  # see _check_owner
 
     def _allocate_cache(self, rows: int) -> None:
         # One more cache row (the trash slot's), so padded scatters need no mask.
@@ -191,19 +193,27 @@ class DeviceTieredTable(TieredTable):
         return self.holds_every_row or self.pinned_bound + num_ids <= self.num_slots - self._num_permanent
 
     def plan_ids(self, ids: torch.Tensor, depth_hint: Optional[int] = None,
-                 overflow: bool = False) -> DeviceFetchPlan:
-        """Plans and pins the rows of ``ids`` (store rows, int64, on the device, any order,
-        duplicates allowed; out-of-range ids are refused by the caller's checks).
+                 overflow: bool = False, check_ids: bool = True) -> DeviceFetchPlan:
+        """Plans and pins the rows of ``ids`` (store rows on the device, any order, duplicates
+        allowed). With ``check_ids``, ids outside the row space are counted in ``bad_ids``
+        and planned as the sentinel row (read from and updated in the trash slot, never a real
+        row), so a bad id costs no host read; the caller reports ``bad_ids.poll()``.
 
         Without ``overflow`` raises ``CacheCapacityError`` (changing nothing) unless the batch
         surely fits (``surely_fits``). With it, misses that find no victim are served from
         the host tier (a synchronisation: this path reads the plan's sizes)."""
+        self._check_owner()
         n = int(ids.shape[0])
         if not overflow and not self.surely_fits(n):
             self._raise_wait(n, depth_hint)
         preload = self._plan_preload() if self._preload_pending else None
         S = self.num_slots
-        rows, inverse, num_unique = padded_unique(ids.to(torch.int64), self.sentinel)
+        ids = ids.to(torch.int64)
+        if check_ids:
+            bad = (ids < 0) | (ids >= self.num_rows)
+            self.bad_ids.add(bad.sum())
+            ids = torch.where(bad, self.sentinel, ids)
+        rows, inverse, num_unique = padded_unique(ids, self.sentinel)
         slots = self.d_row_to_slot.index_select(0, rows)
         miss = slots < 0
         tracked = not self.holds_every_row
@@ -266,6 +276,22 @@ class DeviceTieredTable(TieredTable):
             plan.resolve_sizes()  # (the one place a plan's sizes are read where the caller waits)
             self.host_syncs += 1
         return plan
+
+    def _check_owner(self) -> None:
+        """One stream owns the cache and its bookkeeping: the one current at the first plan.
+        Planning, lookups and updates on another stream would race with it (its kernels are
+        ordered only within their stream), so they are refused. A host-side check."""
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if self.owner_stream is None:
+            self.owner_stream = stream
+        elif stream != self.owner_stream:
+            raise StoreStateError(
+                f"table '{self.name}': planned on CUDA stream {stream} but its cache belongs to stream "
+                f"{self.owner_stream} (the stream of its first batch); plan, look up and update a proactive "
+                f"table on one stream (TrainPipelineSemiSync and PrefetchTrainPipelineSparseDist use side streams)"
+            )
 
     def _rank(self) -> torch.Tensor:
         """Per slot, its eviction rank (lower goes first); pinned, permanent and trash last.
@@ -382,6 +408,7 @@ class DeviceTieredTable(TieredTable):
 
         ``ok`` (a 0-d device bool) skips the update without a host read when False: every
         row keeps its value and state (the caller reports the skip later)."""
+        self._check_owner()
         if row_grads.shape != (plan.n, self.dim):
             raise InvalidInputError(
                 f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match ({plan.n}, {self.dim})"
@@ -426,27 +453,12 @@ class DeviceTieredTable(TieredTable):
 
     def note_update(self, ok: torch.Tensor) -> None:
         """Counts, on the device, an update skipped because ``ok`` (0-d bool) is False."""
-        self.d_skipped.add_(ok.logical_not().to(torch.int64))
+        self.skipped_updates.add(ok.logical_not())
 
     def poll_skipped(self) -> int:
-        """Updates skipped for non-finite gradients that the host learnt of since the last
-        call, read without waiting: on CUDA the count is copied into pinned memory behind
-        the work already queued, and read at a later call once that copy has landed."""
-        if self.device.type == "cpu":
-            total = int(self.d_skipped)
-        elif self.device.type == "cuda" and torch.cuda.is_available():
-            total = self._skipped_seen
-            if self._skipped_copy is not None and self._skipped_copy[1].query():  # type: ignore[attr-defined]
-                total = int(self._skipped_copy[0])
-                self._skipped_copy = None
-            if self._skipped_copy is None:
-                buf = torch.empty((), dtype=torch.int64, pin_memory=True)
-                buf.copy_(self.d_skipped, non_blocking=True)
-                self._skipped_copy = (buf, torch.cuda.current_stream(self.device).record_event())
-        else:  # fake tensors (sync_detector): nothing to read
-            return 0
-        new, self._skipped_seen = total - self._skipped_seen, total
-        return new
+        """Updates skipped for non-finite gradients that the host learnt of since the last call
+        (never waits: see ``AsyncCount``)."""
+        return self.skipped_updates.poll()
 
     def _masked_update(self, slots: torch.Tensor, grads: torch.Tensor, step: int, ok: Optional[torch.Tensor]) -> None:
         if ok is None:
