@@ -1,19 +1,29 @@
 #!/usr/bin/env python3
 """GPU check for a lent CUDA machine (torch with CUDA; no TorchRec/FBGEMM needed).
 
-Exercises the project's own store and fetch engine on CUDA streams with pinned staging:
+Drives the project's own device-side store (``DeviceTieredTable``: planning, lookup and
+fused update on the GPU with no host synchronisation) and fetch engine (copy stream, pinned
+staging) the way the TorchRec kernel does, and reports what a GPU user cares about:
 
-1. exactness: a tiered table on CUDA trained with prefetch depth k equals the same table on
-   CPU (and a resident reference) within fp32 tolerance;
-2. bandwidth: cold-row gather + host-to-device through the fetch engine vs a plain pinned
-   copy of the same number of bytes;
-3. interference: slowdown of MLP matmuls on the compute stream while the copy stream fetches;
-4. stall: a synthetic training loop (lookup + MLP + fused update) at depth 0 vs depth k.
+1. ``bit_identical_across_depths``: parameters after the same batches at depths 0, 1, 2, 4
+   and 8 are bitwise equal, every depth with the *same* cache - once with a cache that
+   holds several batches and once with one so small that prefetches wait and rows overflow;
+2. ``host_syncs_per_step``: synchronisations the training thread makes in the steady state
+   (CUDA: ``torch.cuda.set_sync_debug_mode("warn")``, counted on the training thread only -
+   the fetch worker may wait, that is its job; CPU: the same steps on fake CUDA tensors
+   under ``sync_detector``);
+3. ``gpu_stall_ms_per_step``: per depth, how long the compute stream sat waiting for rows,
+   from CUDA event pairs on the GPU timeline (not host enqueue time);
+4. ``fetch_fraction_of_pinned_copy``: cold-row gather + host-to-device through the engine
+   vs a plain pinned copy of the same bytes;
+5. ``compute_slowdown_while_fetching``: matmuls on the compute stream alone vs while the
+   copy stream fetches (no device-wide synchronize in between, which would drain it);
+6. ``plan_ms_per_step_by_ids``: device planning time per step at 25k, 250k and 2M ids per
+   rank (8M-row store, 10% cache, Zipf ids), from CUDA events.
 
-Sized to finish in well under 5 minutes on one H100/H200; prints a short table last.
+Under 5 minutes on one H100/H200. ``--device cpu`` runs the same code paths on CPU (no
+host-to-device link: its bandwidth rows are null; its planning sizes stop at 250k).
 Run from the repository root:  python benchmarks/gpu_check.py [--quick] [--json out.json]
-(``--device cpu`` runs the same code paths on CPU, for a dry run without a GPU; it has no
-host-to-device link, so its bandwidth rows say "needs a GPU" instead of a figure.)
 """
 
 from __future__ import annotations
@@ -21,25 +31,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
+import threading
 import time
-from typing import Any, Dict, List
+import warnings
+from typing import Any, Callable, Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torchrec_proactive.bench.runner import HelpFormatter, int_at_least  # noqa: E402  (stdlib only)
 from torchrec_proactive.fetch import FetchEngine, make_transport  # noqa: E402
 from torchrec_proactive.fetch.lookahead import run_lookahead  # noqa: E402
 from torchrec_proactive.store import (  # noqa: E402
+    DeviceTieredTable,
     OptimizerConfig,
     OptimType,
     Segment,
-    TieredTable,
+    plan_device_batch,
     pooled_lookup,
 )
+from torchrec_proactive.store import lookup as lookup_module  # noqa: E402
+from torchrec_proactive.store.sync_detector import HostSyncError, fake_cuda  # noqa: E402
+
+DEPTHS = (0, 1, 2, 4, 8)
 
 
 def sync(device: torch.device) -> None:
@@ -47,8 +62,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def host_tensor(shape, device: torch.device, generator=None) -> torch.Tensor:
-    t = torch.randn(*shape, generator=generator)
+def host_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory() if device.type == "cuda" else t
 
 
@@ -59,164 +73,240 @@ def zipf_ids(rows: int, n: int, alpha: float, g: torch.Generator) -> torch.Tenso
     return (x.floor().long() - 1).clamp_(0, rows - 1)
 
 
-def check_exactness(device: torch.device, steps: int) -> Dict[str, Any]:
-    cfg = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05)
-    rows, dim, bags, per_bag = 200_000, 64, 2048, 4
-    g = torch.Generator().manual_seed(0)
-    init = torch.randn(rows, dim, generator=g)
-    batches = []
+class SyncCounter:
+    """Counts the CUDA sync warnings raised on the thread that creates it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._thread = threading.get_ident()
+
+    def __enter__(self) -> "SyncCounter":
+        self._old = warnings.showwarning
+
+        def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            if "synchroniz" in str(message) and threading.get_ident() == self._thread:
+                self.count += 1
+
+        warnings.showwarning = show
+        self._filters = warnings.catch_warnings()
+        self._filters.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._filters.__exit__(*exc)
+        warnings.showwarning = self._old
+
+
+def make_batches(steps: int, rows: int, bags: int, per_bag: int, dim: int, device: torch.device, seed: int) -> List[Any]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
     for _ in range(steps):
-        values = zipf_ids(rows, bags * per_bag, 1.05, g)
-        batches.append((values, torch.arange(0, bags * per_bag + 1, per_bag), None, torch.randn(bags, dim, generator=g)))
-    results = {}
-    for name, dev, depth in (("cpu_depth0", torch.device("cpu"), 0), (f"{device.type}_depth2", device, 2)):
-        host = init.clone().pin_memory() if dev.type == "cuda" else init.clone()
-        # One grouped store over three tables' rows (one TorchRec group), as the kernel builds it.
-        third = rows // 3
-        segments = [Segment(f"t{i}", i * third, third if i < 2 else rows - 2 * third) for i in range(3)]
-        table = TieredTable("t0+t1+t2", host, cfg, num_slots=40_000, device=dev, segments=segments)
-        engine = FetchEngine(make_transport(dev))
-        anchor = torch.empty(0, device=dev, requires_grad=True)
-        outs = run_loop(table, engine, anchor, batches, depth, dev)
-        engine.flush([table])  # through the copy stream, behind every ticket
-        sync(dev)
-        engine.close()
-        results[name] = (outs, table.host_weight.clone())
-    (a_out, a_w), (b_out, b_w) = results.values()
-    out_diff = max(float((x - y).abs().max()) for x, y in zip(a_out, b_out))
-    w_diff = float((a_w - b_w).abs().max())
-    return {"max_output_diff": out_diff, "max_weight_diff": w_diff, "ok": out_diff < 1e-4 and w_diff < 1e-4}
+        values = zipf_ids(rows, bags * per_bag, 1.05, g).to(device)
+        offsets = torch.arange(0, bags * per_bag + 1, per_bag).to(device)
+        out.append((values, offsets, None, torch.randn(bags, dim, generator=g).to(device)))
+    return out
 
 
-def run_loop(table, engine, anchor, batches, depth, dev, mlp=None) -> List[torch.Tensor]:
-    outs = []
+def train(device: torch.device, init: torch.Tensor, slots: int, depth: int, batches: List[Any],
+          on_step: Callable[[int], None] = lambda i: None) -> Dict[str, Any]:
+    """The kernel's schedule on one grouped store: batch i + depth planned before batch i is used."""
+    rows = init.shape[0]
+    third = rows // 3
+    segments = [Segment(f"t{i}", i * third, third if i < 2 else rows - 2 * third) for i in range(3)]
+    table = DeviceTieredTable("t0+t1+t2", host_tensor(init.clone(), device),
+                              OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05),
+                              num_slots=slots, device=device, segments=segments)
+    engine = FetchEngine(make_transport(device))
+    anchor = torch.empty(0, device=device, requires_grad=True)
 
-    def consume(i, tb, batch):
-        grad = batch[3]
-        out = pooled_lookup(tb, anchor)
-        if mlp is not None:
-            mlp(out).square().mean().backward()
-        else:
-            out.backward(grad.to(dev, non_blocking=True))
-        outs.append(out.detach().cpu() if mlp is None else out.detach())
+    def consume(i: int, tb: Any, batch: Any) -> None:
+        pooled_lookup(tb, anchor).backward(batch[3])
+        on_step(i)
 
     run_lookahead(table, engine, batches, depth, consume)
-    return outs
-
-
-def bandwidth(device: torch.device, rows: int = 2_000_000, dim: int = 128, fetch_rows: int = 262_144, reps: int = 10) -> Dict[str, float]:
-    cfg = OptimizerConfig(OptimType.EXACT_SGD)
-    host = host_tensor((rows, dim), device)
-    g = torch.Generator().manual_seed(1)
-    nbytes = fetch_rows * dim * 4
-    # Plain pinned copy of the same bytes (contiguous, no gather): the link's ceiling.
-    src = host[:fetch_rows].contiguous()
-    src = src.pin_memory() if device.type == "cuda" else src
-    dst = torch.empty_like(src, device=device)
-    dst.copy_(src, non_blocking=True)
+    engine.flush([table])
+    engine.drain()
     sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    sync(device)
-    plain = reps * nbytes / (time.perf_counter() - t0) / 1e9
-    # Cold rows through the engine: random rows, host gather into pinned staging, H2D, scatter.
-    table = TieredTable("bw", host, cfg, num_slots=fetch_rows, device=device)
-    engine = FetchEngine(make_transport(device))
-    times = []
-    for r in range(reps + 1):
-        table.invalidate()
-        rows_needed = torch.randperm(rows, generator=g)[:fetch_rows].sort().values
-        plan = table.plan(rows_needed)
-        sync(device)
-        t0 = time.perf_counter()
-        engine.wait(engine.issue([plan]))
-        sync(device)
-        if r:
-            times.append(time.perf_counter() - t0)
-        table.release(plan)
+    stall = getattr(engine.transport, "gpu_stall_s", engine.stats.stall_s)
+    result = {"weight": table.host_weight.clone(), "state": table.host_state["momentum1"].clone(),
+              "stall_ms_per_step": 1e3 * stall / len(batches), "overflow_rows": table.stats.overflow_rows,
+              "host_syncs_of_overflow": table.host_syncs}
     engine.close()
-    gathered = nbytes / statistics.median(times) / 1e9
-    if device.type != "cuda":
-        # No host-to-device link: both copies stayed in host memory. Not an H2D figure.
-        return {"h2d_measured": False, "plain_pinned_copy_gbps": None, "engine_gather_h2d_gbps": None, "ratio": None,
-                "host_copy_gbps": plain, "engine_gather_host_gbps": gathered}
-    return {"h2d_measured": True, "plain_pinned_copy_gbps": plain, "engine_gather_h2d_gbps": gathered,
-            "ratio": gathered / plain}
+    return result
 
 
-def interference(device: torch.device, reps: int = 30) -> Dict[str, float]:
-    n = 8192 if device.type == "cuda" else 512
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+def exactness(device: torch.device, quick: bool) -> Dict[str, Any]:
+    rows, dim, bags, per_bag = (200_000, 64, 2048, 4) if not quick else (50_000, 32, 512, 4)
+    steps = 10 if not quick else 6
+    init = torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))
+    batches = make_batches(steps, rows, bags, per_bag, dim, device, seed=1)
+    report: Dict[str, Any] = {}
+    for label, slots in (("roomy", 9 * bags * per_bag), ("tiny", bags * per_bag // 8)):
+        runs = {k: train(device, init, slots, k, batches) for k in DEPTHS}
+        first = runs[DEPTHS[0]]
+        report[label] = {
+            "slots": slots,
+            "bit_identical": all(torch.equal(r["weight"], first["weight"]) and torch.equal(r["state"], first["state"])
+                                 for r in runs.values()),
+            "overflow_rows": {k: r["overflow_rows"] for k, r in runs.items()},
+            "gpu_stall_ms_per_step": {k: r["stall_ms_per_step"] for k, r in runs.items()},
+        }
+    report["bit_identical_across_depths"] = all(v["bit_identical"] for v in report.values() if isinstance(v, dict))
+    return report
 
-    def matmuls() -> float:
+
+def host_syncs(device: torch.device, quick: bool) -> Dict[str, Any]:
+    """Synchronisations of the training thread per steady-state step."""
+    rows, dim, bags, per_bag, steps = 200_000, 64, 2048, 4, 12
+    if device.type == "cpu":
+        errors = 0
+        with fake_cuda():
+            table = DeviceTieredTable("t", torch.randn(rows, dim), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
+                                      num_slots=rows // 10, device="cuda")
+            for _ in range(steps):
+                ids = torch.randint(0, rows, (bags * per_bag,), device="cuda")
+                try:
+                    tb = plan_device_batch(table, ids, torch.arange(0, bags * per_bag + 1, per_bag, device="cuda"))
+                    out = lookup_module.pool_group([tb], [None])[0]
+                    lookup_module.update_group([tb], [None], [torch.ones_like(out)], [])
+                except HostSyncError:
+                    errors += 1
+        return {"host_syncs_per_step": errors / steps, "how": "fake CUDA tensors under sync_detector"}
+    batches = make_batches(steps, rows, bags, per_bag, dim, device, seed=2)
+    init = torch.randn(rows, dim)
+    counter = SyncCounter()
+    warm = 4
+
+    def on_step(i: int) -> None:
+        if i == warm - 1:
+            counter.__enter__()
+
+    try:
+        train(device, init, 6 * bags * per_bag, 2, batches, on_step)
+    finally:
+        if threading.get_ident() == counter._thread and hasattr(counter, "_old"):
+            counter.__exit__(None, None, None)
+    # (the flush and drain after the loop are not steady state; they ran after the counter)
+    return {"host_syncs_per_step": counter.count / (steps - warm),
+            "how": "torch.cuda.set_sync_debug_mode('warn') on the training thread"}
+
+
+def bandwidth(device: torch.device, quick: bool) -> Dict[str, Any]:
+    rows, dim = (2_000_000, 128) if device.type == "cuda" and not quick else (200_000, 64)
+    fetch_rows = rows // 8
+    host = host_tensor(torch.randn(rows, dim), device)
+    nbytes = fetch_rows * dim * 4
+    src = host_tensor(host[:fetch_rows].contiguous(), device)
+    dst = torch.empty_like(src, device=device)
+
+    def timed(fn: Callable[[], None], reps: int = 5) -> float:
+        fn()
         sync(device)
         t0 = time.perf_counter()
         for _ in range(reps):
-            a @ b
+            fn()
         sync(device)
-        return time.perf_counter() - t0
+        return (time.perf_counter() - t0) / reps
+
+    plain = timed(lambda: dst.copy_(src, non_blocking=True))
+    table = DeviceTieredTable("bw", host, OptimizerConfig(), num_slots=fetch_rows, device=device)
+    engine = FetchEngine(make_transport(device))
+    g = torch.Generator().manual_seed(3)
+
+    def fetch() -> None:
+        table.invalidate()
+        ids = torch.randperm(rows, generator=g)[:fetch_rows].to(device)
+        tb = plan_device_batch(table, ids, torch.arange(fetch_rows + 1, device=device), overflow=True)
+        engine.wait(engine.issue([tb.plan]))
+        table.release(tb.plan)
+
+    gathered = timed(fetch)
+    engine.close()
+    if device.type != "cuda":
+        return {"fetch_fraction_of_pinned_copy": None, "note": "no host-to-device link on CPU"}
+    return {"fetch_fraction_of_pinned_copy": plain / gathered, "plain_pinned_copy_gbps": nbytes / plain / 1e9,
+            "engine_gather_h2d_gbps": nbytes / gathered / 1e9}
+
+
+def interference(device: torch.device, quick: bool) -> Dict[str, Any]:
+    n = 8192 if device.type == "cuda" else 384
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    reps = 20 if device.type == "cuda" else 4
+
+    def matmuls() -> float:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                a @ b
+            end.record()
+            end.synchronize()  # only this stream's events: the copy stream keeps running
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        return 1e3 * (time.perf_counter() - t0)
 
     matmuls()
     alone = matmuls()
-    cfg = OptimizerConfig(OptimType.EXACT_SGD)
-    rows, dim = 2_000_000, 128
-    table = TieredTable("if", host_tensor((rows, dim), device), cfg, num_slots=rows // 2, device=device)
+    rows, dim = (2_000_000, 128) if device.type == "cuda" else (200_000, 64)
+    table = DeviceTieredTable("if", host_tensor(torch.randn(rows, dim), device), OptimizerConfig(),
+                              num_slots=rows // 2, device=device)
     engine = FetchEngine(make_transport(device))
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(4)
     tickets = []
-    for _ in range(8):
-        plan = table.plan(torch.randperm(rows, generator=g)[: rows // 16].sort().values)
-        tickets.append((engine.issue([plan]), plan))
+    for _ in range(6):
+        ids = torch.randperm(rows, generator=g)[: rows // 16].to(device)
+        tb = plan_device_batch(table, ids, torch.arange(ids.shape[0] + 1, device=device))
+        tickets.append((engine.issue([tb.plan]), tb.plan))
     together = matmuls()
     for ticket, plan in tickets:
         engine.wait(ticket)
         table.release(plan)
     engine.close()
-    return {"matmul_alone_ms": 1e3 * alone, "matmul_while_fetching_ms": 1e3 * together, "slowdown": together / alone}
+    return {"matmul_alone_ms": alone, "matmul_while_fetching_ms": together,
+            "compute_slowdown_while_fetching": together / alone - 1.0}
 
 
-def stall(device: torch.device, steps: int, depth: int, rows: int, dim: int, bags: int, per_bag: int,
-          width: int) -> Dict[str, float]:
-    """Synthetic training loop (lookup + MLP + fused update): step and stall at depth 0 vs k."""
-    cfg = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01)
-    g = torch.Generator().manual_seed(3)
-    batches = [(zipf_ids(rows, bags * per_bag, 0.9, g), torch.arange(0, bags * per_bag + 1, per_bag), None, None)
-               for _ in range(steps)]
-    mlp = torch.nn.Sequential(torch.nn.Linear(dim, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                              torch.nn.ReLU(), torch.nn.Linear(width, 1)).to(device)
+def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
+    sizes = [25_000, 250_000, 2_000_000] if device.type == "cuda" else [25_000, 250_000]
+    rows = 8_000_000 if device.type == "cuda" and not quick else 800_000
+    table = DeviceTieredTable("plan", host_tensor(torch.zeros(rows, 8), device), OptimizerConfig(),
+                              num_slots=rows // 10, device=device)
+    g = torch.Generator().manual_seed(5)
     out: Dict[str, float] = {}
-    host = host_tensor((rows, dim), device)
-    warm = min(3, steps - 1)
-    for k in (0, depth):
-        table = TieredTable("s", host, cfg, num_slots=(k + 1) * bags * per_bag + rows // 20, device=device)
-        engine = FetchEngine(make_transport(device))
-        anchor = torch.empty(0, device=device, requires_grad=True)
-        run_loop(table, engine, anchor, batches[:warm], k, device, mlp=mlp)
-        engine.drain()
-        sync(device)
-        engine.stats.stall_s = 0.0
-        t0 = time.perf_counter()
-        run_loop(table, engine, anchor, batches[warm:], k, device, mlp=mlp)
-        engine.drain()
-        sync(device)
-        n = steps - warm
-        out[f"depth{k}_step_ms"] = 1e3 * (time.perf_counter() - t0) / n
-        out[f"depth{k}_stall_ms"] = 1e3 * engine.stats.stall_s / n
-        engine.close()
-    out["speedup"] = out["depth0_step_ms"] / out[f"depth{depth}_step_ms"]
-    return out
+    for n in sizes:
+        batches = [zipf_ids(rows, n, 1.05, g).to(device) for _ in range(4)]
+        times = []
+        for ids in batches:
+            sync(device)
+            t0 = time.perf_counter()
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            plan = table.plan_ids(ids, overflow=False) if table.surely_fits(n) else table.plan_ids(ids, overflow=True)
+            if device.type == "cuda":
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                times.append(1e3 * (time.perf_counter() - t0))
+            table.release(plan)
+            table.invalidate()
+        out[str(n)] = sorted(times)[len(times) // 2]
+    return {"plan_ms_per_step_by_ids": out, "store_rows": rows, "cache_slots": rows // 10}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the checks run; cpu is a dry run of the same code paths")
     p.add_argument("--quick", action="store_true", help="smaller tables and fewer steps")
-    p.add_argument("--depth", type=int_at_least(1), default=2, help="prefetch depth k of the stall check (vs depth 0)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results here; default: none")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results here (default: none)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("argument --device: 'cuda' needs a CUDA device, and torch.cuda.is_available() is False here "
@@ -225,38 +315,38 @@ def main() -> int:
     t_start = time.perf_counter()
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__}
     print(f"[gpu_check] {info}", flush=True)
-    steps = 8 if args.quick else 30
     res: Dict[str, Any] = {"info": info}
-    res["exactness"] = check_exactness(device, steps=6 if args.quick else 12)
-    print(f"[gpu_check] exactness {res['exactness']}", flush=True)
-    small = args.quick or device.type != "cuda"
-    res["bandwidth"] = bandwidth(device, rows=200_000 if small else 2_000_000, fetch_rows=32_768 if small else 262_144)
-    print(f"[gpu_check] bandwidth {res['bandwidth']}", flush=True)
-    res["interference"] = interference(device, reps=5 if small else 30)
-    print(f"[gpu_check] interference {res['interference']}", flush=True)
-    if small:  # the CPU dry run keeps the same code path on a smaller table
-        res["stall"] = stall(device, steps, args.depth, rows=200_000, dim=64, bags=1024, per_bag=4, width=256)
-    else:
-        res["stall"] = stall(device, steps, args.depth, rows=4_000_000, dim=128, bags=8192, per_bag=8, width=2048)
-    res["elapsed_s"] = time.perf_counter() - t_start
+    checks = (("exactness", exactness), ("syncs", host_syncs), ("bandwidth", bandwidth),
+              ("interference", interference), ("planning", planning))
+    for name, check in checks:
+        res[name] = check(device, args.quick)
+        print(f"[gpu_check] {name} {json.dumps(res[name], default=str)}", flush=True)
+    ex = res["exactness"]
+    summary = {
+        "bit_identical_across_depths": ex["bit_identical_across_depths"],
+        "host_syncs_per_step": res["syncs"]["host_syncs_per_step"],
+        "gpu_stall_ms_per_step": ex["roomy"]["gpu_stall_ms_per_step"],
+        "fetch_fraction_of_pinned_copy": res["bandwidth"]["fetch_fraction_of_pinned_copy"],
+        "compute_slowdown_while_fetching": res["interference"]["compute_slowdown_while_fetching"],
+        "plan_ms_per_step_by_ids": res["planning"]["plan_ms_per_step_by_ids"],
+        "elapsed_s": time.perf_counter() - t_start,
+    }
+    res.update(summary)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
         print(f"wrote {args.json}", file=sys.stderr, flush=True)
-    b, i, s = res["bandwidth"], res["interference"], res["stall"]
     print("\n| check | figure |\n|---|---|")
-    print(f"| exactness ({device.type} depth 2 vs CPU depth 0) | max diff {res['exactness']['max_weight_diff']:.2e} -> {'OK' if res['exactness']['ok'] else 'FAIL'} |")
-    if b["h2d_measured"]:
-        print(f"| plain pinned H2D copy | {b['plain_pinned_copy_gbps']:.1f} GB/s |")
-        print(f"| cold-row gather + H2D (engine) | {b['engine_gather_h2d_gbps']:.1f} GB/s ({b['ratio']:.0%} of plain) |")
-    else:
-        print(f"| plain pinned H2D copy | needs a GPU (a {device.type} dry run has no host-to-device link) |")
-        print("| cold-row gather + H2D (engine) | needs a GPU (the engine's gather path ran, host to host only) |")
-    print(f"| matmul slowdown while fetching | {i['slowdown']:.2f}x |")
-    print(f"| step depth 0 / depth {args.depth} | {s['depth0_step_ms']:.1f} / {s[f'depth{args.depth}_step_ms']:.1f} ms -> {s['speedup']:.2f}x |")
-    print(f"| stall depth 0 / depth {args.depth} | {s['depth0_stall_ms']:.2f} / {s[f'depth{args.depth}_stall_ms']:.2f} ms/step |")
-    print(f"| wall time | {res['elapsed_s']:.0f} s |")
-    return 0 if res["exactness"]["ok"] else 1
+    print(f"| bit-identical across depths {DEPTHS} (same cache; roomy and tiny) | {summary['bit_identical_across_depths']} |")
+    print(f"| host syncs per steady-state step ({res['syncs']['how']}) | {summary['host_syncs_per_step']:g} |")
+    print(f"| GPU-timeline stall ms/step by depth | {summary['gpu_stall_ms_per_step']} |")
+    frac = summary["fetch_fraction_of_pinned_copy"]
+    print(f"| fetch / plain pinned copy | {'needs a GPU' if frac is None else f'{frac:.2f}'} |")
+    print(f"| compute slow-down while fetching | {summary['compute_slowdown_while_fetching']:+.1%} |")
+    print(f"| planning ms/step by ids per rank | {summary['plan_ms_per_step_by_ids']} |")
+    print(f"| wall time | {summary['elapsed_s']:.0f} s |")
+    ok = summary["bit_identical_across_depths"] and summary["host_syncs_per_step"] == 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -52,6 +52,11 @@ waiting stream before ``wait_event(E_done)`` and E_wait1 after it; ``E_wait0 ->
 E_wait1`` is how long that stream sat blocked on the copy. Pairs are read once both have
 completed (no synchronisation), summed in ``gpu_stall_ms``.
 
+Plans of a ``DeviceTieredTable`` hold their row lists and sizes on the device: step 4
+starts by reading them back on X (``resolve_sizes``: the worker W blocks, the training
+thread never does), then moves the same bytes. Every list is bounded by the batch's ids,
+and a flush moves one bounded chunk per ticket, so staging never grows with the dirty set.
+
 Nothing here imports TorchRec.
 """
 
@@ -62,6 +67,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from ..store.device_table import DeviceFetchPlan
 from .engine import Ticket, Transport
 
 
@@ -113,7 +119,12 @@ class CudaStreamTransport(Transport):
         self.gpu_stall_ms = 0.0
 
     def prepare(self, ticket: Ticket) -> None:
-        ticket.ready_event = torch.cuda.current_stream(self.device).record_event()
+        # Recorded on the stream that owns the cache (a DeviceTieredTable's planning stream),
+        # never merely "whatever is current": every fused update of a victim slot and the
+        # plan's own bookkeeping ops precede it there.
+        owner = next((getattr(p.table, "owner_stream", None) for p in ticket.plans
+                      if getattr(p.table, "owner_stream", None) is not None), None)
+        ticket.ready_event = (owner or torch.cuda.current_stream(self.device)).record_event()
 
     @torch.no_grad()
     def run(self, ticket: Ticket) -> None:
@@ -122,6 +133,11 @@ class CudaStreamTransport(Transport):
             stream.wait_event(ticket.ready_event)
             if self._last_h2d is not None:
                 self._last_h2d.synchronize()  # the previous ticket's H2D still reads staging
+            for plan in ticket.plans:
+                if isinstance(plan, DeviceFetchPlan):
+                    # The plan's sizes and row lists were computed on the owner stream; this
+                    # stream waited for them, and this worker thread may block on them.
+                    plan.resolve_sizes()
             self.staging.begin()
             for plan in ticket.plans:
                 self._write_back(plan)
@@ -129,6 +145,11 @@ class CudaStreamTransport(Transport):
             self.staging.begin()  # write-backs were synchronous: their staging is free
             for plan in ticket.plans:
                 self._fill(plan)
+                if isinstance(plan, DeviceFetchPlan) and plan.num_overflow:
+                    over = plan.overflow_rows.narrow(0, 0, plan.num_overflow).to("cpu")  # type: ignore[union-attr]
+                    staged = self.staging.get(over.shape[0], plan.table.dim, plan.table.host_weight.dtype)
+                    torch.index_select(plan.table.host_weight, 0, over, out=staged)
+                    plan.overflow_weight = staged.to(self.device, non_blocking=True)
                 # "done" means enqueued on the copy stream: a later CUDA error surfaces at
                 # the consumer's event wait, not as a partial move the store could undo.
                 plan.stage = "done"
@@ -162,26 +183,36 @@ class CudaStreamTransport(Transport):
         return pairs
 
     def _write_back(self, plan: Any) -> None:
-        n = int(plan.writeback_slots.numel())
+        n = plan.num_writebacks
         if n == 0:
             return
-        slots = plan.writeback_slots.to(self.device, non_blocking=True)
+        if isinstance(plan, DeviceFetchPlan):  # lists on the device, sizes resolved above
+            slots = plan.writeback_slots.narrow(0, 0, n)
+            rows = plan.writeback_rows.narrow(0, 0, n).to("cpu")
+        else:
+            slots = plan.writeback_slots.to(self.device, non_blocking=True)
+            rows = plan.writeback_rows
         for host, cache in self._tensors(plan):
             flat = cache.view(cache.shape[0], -1)
             staged = self.staging.get(n, flat.shape[1], flat.dtype)
             staged.copy_(flat.index_select(0, slots), non_blocking=True)
             self.copy_stream.synchronize()  # the host scatter below reads `staged`
-            host.view(host.shape[0], -1)[plan.writeback_rows] = staged
+            host.view(host.shape[0], -1).index_copy_(0, rows, staged)
 
     def _fill(self, plan: Any) -> None:
-        n = int(plan.fill_rows.numel())
+        n = plan.num_fills
         if n == 0:
             return
-        slots = plan.fill_slots.to(self.device, non_blocking=True)
+        if isinstance(plan, DeviceFetchPlan):
+            slots = plan.fill_slots.narrow(0, 0, n)
+            rows = plan.fill_rows.narrow(0, 0, n).to("cpu")
+        else:
+            slots = plan.fill_slots.to(self.device, non_blocking=True)
+            rows = plan.fill_rows
         for host, cache in self._tensors(plan):
             hflat = host.view(host.shape[0], -1)
             staged = self.staging.get(n, hflat.shape[1], hflat.dtype)
-            torch.index_select(hflat, 0, plan.fill_rows, out=staged)
+            torch.index_select(hflat, 0, rows, out=staged)
             rows = staged.to(self.device, non_blocking=True)
             cache.view(cache.shape[0], -1).index_copy_(0, slots, rows)
 
