@@ -34,9 +34,10 @@ Whoever waits first (the forward, a ``drain`` for a checkpoint, a flush): every 
 Staging reuse (pinned host arenas shared by consecutive tickets)::
 
     1. W  ticket t enqueues H2D copies that read arena A; records E_h2d(t) on X.
-    2. W  ticket t+1 starts: E_h2d(t).synchronize() before rewriting A, so no copy of t
-          reads bytes of t+1. Write-back staging is read by the host right after an X
-          synchronize, so it is free at once.
+    2. W  the next chunk (of t or of t+1) starts: E_h2d.synchronize() before rewriting A,
+          so no copy reads bytes meant for a later one. Write-back staging is read by the
+          host right after an X synchronize, so it is free at once. Every move goes in
+          chunks of at most ``CHUNK_BYTES`` per tensor, so A never outgrows one chunk.
 
 A failed ticket (an exception in W)::
 
@@ -69,6 +70,11 @@ import torch
 
 from ..store.device_table import DeviceFetchPlan
 from .engine import Ticket, Transport
+
+
+#: Pinned staging one chunk of a move may use (per weight/state tensor): fills, write-backs,
+#: preloads and flushes of any size move in chunks of this many bytes, so staging stays bounded.
+CHUNK_BYTES = 64 << 20
 
 
 class _PinnedStaging:
@@ -131,30 +137,21 @@ class CudaStreamTransport(Transport):
         stream = self.copy_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(ticket.ready_event)
-            if self._last_h2d is not None:
-                self._last_h2d.synchronize()  # the previous ticket's H2D still reads staging
             for plan in ticket.plans:
                 if isinstance(plan, DeviceFetchPlan):
                     # The plan's sizes and row lists were computed on the owner stream; this
                     # stream waited for them, and this worker thread may block on them.
                     plan.resolve_sizes()
-            self.staging.begin()
             for plan in ticket.plans:
                 self._write_back(plan)
                 plan.stage = "written_back"
-            self.staging.begin()  # write-backs were synchronous: their staging is free
             for plan in ticket.plans:
                 self._fill(plan)
-                if isinstance(plan, DeviceFetchPlan) and plan.num_overflow:
-                    over = plan.overflow_rows.narrow(0, 0, plan.num_overflow).to("cpu")  # type: ignore[union-attr]
-                    staged = self.staging.get(over.shape[0], plan.table.dim, plan.table.host_weight.dtype)
-                    torch.index_select(plan.table.host_weight, 0, over, out=staged)
-                    plan.overflow_weight = staged.to(self.device, non_blocking=True)
+                self._stage_overflow(plan)
                 # "done" means enqueued on the copy stream: a later CUDA error surfaces at
                 # the consumer's event wait, not as a partial move the store could undo.
                 plan.stage = "done"
-            self._last_h2d = stream.record_event()
-            ticket.device_event = self._last_h2d
+            ticket.device_event = stream.record_event()
 
     def complete(self, ticket: Ticket) -> None:
         if ticket.device_event is None:
@@ -182,39 +179,66 @@ class CudaStreamTransport(Transport):
         pairs += [(t.host_state[k], t.cache_state[k]) for k in t.host_state]
         return pairs
 
+    def _chunks(self, plan: Any, n: int) -> List[Tuple[int, int]]:
+        """``(start, size)`` pieces of ``n`` rows, each at most ``CHUNK_BYTES`` of staging."""
+        rows = max(1, CHUNK_BYTES // max(plan.table.row_bytes, 1))
+        return [(start, min(rows, n - start)) for start in range(0, n, rows)]
+
+    def _reuse_staging(self) -> None:
+        """Waits (on the worker) until the last host-to-device copy out of staging has run."""
+        if self._last_h2d is not None:
+            self._last_h2d.synchronize()
+            self._last_h2d = None
+        self.staging.begin()
+
+    @staticmethod
+    def _lists(plan: Any, slots: torch.Tensor, rows: torch.Tensor, n: int, device: torch.device):
+        """A plan's first ``n`` slots on the device and rows on the host."""
+        if isinstance(plan, DeviceFetchPlan):  # lists on the device, sizes resolved in run()
+            return slots.narrow(0, 0, n), rows.narrow(0, 0, n).to("cpu")
+        return slots.to(device, non_blocking=True), rows
+
     def _write_back(self, plan: Any) -> None:
         n = plan.num_writebacks
         if n == 0:
             return
-        if isinstance(plan, DeviceFetchPlan):  # lists on the device, sizes resolved above
-            slots = plan.writeback_slots.narrow(0, 0, n)
-            rows = plan.writeback_rows.narrow(0, 0, n).to("cpu")
-        else:
-            slots = plan.writeback_slots.to(self.device, non_blocking=True)
-            rows = plan.writeback_rows
-        for host, cache in self._tensors(plan):
-            flat = cache.view(cache.shape[0], -1)
-            staged = self.staging.get(n, flat.shape[1], flat.dtype)
-            staged.copy_(flat.index_select(0, slots), non_blocking=True)
-            self.copy_stream.synchronize()  # the host scatter below reads `staged`
-            host.view(host.shape[0], -1).index_copy_(0, rows, staged)
+        slots, rows = self._lists(plan, plan.writeback_slots, plan.writeback_rows, n, self.device)
+        for start, size in self._chunks(plan, n):
+            chunk_slots, chunk_rows = slots.narrow(0, start, size), rows.narrow(0, start, size)
+            self._reuse_staging()
+            for host, cache in self._tensors(plan):
+                flat = cache.view(cache.shape[0], -1)
+                staged = self.staging.get(size, flat.shape[1], flat.dtype)
+                staged.copy_(flat.index_select(0, chunk_slots), non_blocking=True)
+                self.copy_stream.synchronize()  # the host scatter below reads `staged`
+                host.view(host.shape[0], -1).index_copy_(0, chunk_rows, staged)
 
     def _fill(self, plan: Any) -> None:
         n = plan.num_fills
         if n == 0:
             return
-        if isinstance(plan, DeviceFetchPlan):
-            slots = plan.fill_slots.narrow(0, 0, n)
-            rows = plan.fill_rows.narrow(0, 0, n).to("cpu")
-        else:
-            slots = plan.fill_slots.to(self.device, non_blocking=True)
-            rows = plan.fill_rows
-        for host, cache in self._tensors(plan):
-            hflat = host.view(host.shape[0], -1)
-            staged = self.staging.get(n, hflat.shape[1], hflat.dtype)
-            torch.index_select(hflat, 0, rows, out=staged)
-            rows = staged.to(self.device, non_blocking=True)
-            cache.view(cache.shape[0], -1).index_copy_(0, slots, rows)
+        slots, rows = self._lists(plan, plan.fill_slots, plan.fill_rows, n, self.device)
+        for start, size in self._chunks(plan, n):
+            chunk_slots, chunk_rows = slots.narrow(0, start, size), rows.narrow(0, start, size)
+            self._reuse_staging()
+            for host, cache in self._tensors(plan):
+                hflat = host.view(host.shape[0], -1)
+                staged = self.staging.get(size, hflat.shape[1], hflat.dtype)
+                torch.index_select(hflat, 0, chunk_rows, out=staged)
+                cache.view(cache.shape[0], -1).index_copy_(0, chunk_slots, staged.to(self.device, non_blocking=True))
+            self._last_h2d = self.copy_stream.record_event()
+
+    def _stage_overflow(self, plan: Any) -> None:
+        """The overflow rows of a device plan, read from the host tier for its lookup (the
+        batch's own rows: bounded by its ids, never the cache)."""
+        if not isinstance(plan, DeviceFetchPlan) or not plan.num_overflow:
+            return
+        rows = plan.overflow_rows.narrow(0, 0, plan.num_overflow).to("cpu")  # type: ignore[union-attr]
+        self._reuse_staging()
+        staged = self.staging.get(rows.shape[0], plan.table.dim, plan.table.host_weight.dtype)
+        torch.index_select(plan.table.host_weight, 0, rows, out=staged)
+        plan.overflow_weight = staged.to(self.device, non_blocking=True)
+        self._last_h2d = self.copy_stream.record_event()
 
     def describe(self) -> Dict[str, Any]:
         return {"kind": self.kind, "device": str(self.device), "pinned_allocations": self.staging.allocations,

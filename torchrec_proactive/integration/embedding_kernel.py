@@ -193,6 +193,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
         self._warned_overflow = False
+        self._uvm_owner: Optional[torch.Tensor] = None  # set by from_stock on CUDA
         self.prefetch_depth = 0
         self._optim = ProactiveFusedOptimizer(self, pg)
 
@@ -210,22 +211,31 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         """Takes over the host weight storage of a stock fused kernel (same initialisation).
 
         On CPU the stock kernel's host buffer *is* the host tier (no copy). On CUDA the
-        stock kernel holds its rows in UVM; they are copied once into pinned host memory,
-        which the copy stream reads without a bounce, and the UVM buffer goes with the
-        stock kernel. ``user_fused_params`` are the group's fused params as the user gave
-        them (the stock kernel was built with plain SGD, see the sharded module)."""
+        stock kernel holds its rows in host-mapped UVM (the sharded module asks FBGEMM for
+        ``uvm_host_mapped``: pinned host memory), which becomes the host tier in place
+        through FBGEMM's ``uvm_to_cpu`` alias: the rows are held once. Without that op the
+        rows are copied once into pinned memory. ``user_fused_params`` are the group's
+        fused params as the user gave them (the stock kernel was built with plain SGD, see
+        the sharded module)."""
         views = [w.detach() for w in stock.split_embedding_weights()]
         emb = stock.emb_module
         buffer = emb.weights_host if emb.weights_host.numel() else emb.weights_uvm
+        keep_alive = None
         if buffer.device.type != "cpu":
-            pinned = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-            pinned.copy_(buffer)
+            host = _host_alias(buffer)
+            if host is None:
+                host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+                host.copy_(buffer)
+            else:
+                keep_alive = buffer  # (the alias shares the UVM allocation)
             base = buffer.storage_offset()
-            views = [pinned[v.storage_offset() - base: v.storage_offset() - base + v.numel()].view(v.shape)
+            views = [host[v.storage_offset() - base: v.storage_offset() - base + v.numel()].view(v.shape)
                      for v in views]
-            buffer = pinned
-        return cls(stock.config, views, buffer, options, user_fused_params, engine, pg, device,
-                   pooling_mode=stock._pooling)  # noqa: SLF001 - as TorchRec chose it for this sharding
+            buffer = host
+        kernel = cls(stock.config, views, buffer, options, user_fused_params, engine, pg, device,
+                     pooling_mode=stock._pooling)  # noqa: SLF001 - as TorchRec chose it for this sharding
+        kernel._uvm_owner = keep_alive
+        return kernel
 
     # ------------------------------------------------------------------ TorchRec contract
     @property
@@ -489,6 +499,15 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     def check_invariants(self, expect_drained: bool = False) -> None:
         self.store.check_invariants(expect_drained)
+
+
+def _host_alias(uvm: torch.Tensor) -> Optional[torch.Tensor]:
+    """A CPU tensor over the same bytes as a host-mapped UVM tensor (FBGEMM's ``uvm_to_cpu``),
+    or None where FBGEMM has no such op (its CPU build)."""
+    try:
+        return torch.ops.fbgemm.uvm_to_cpu(uvm)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
 
 
 def _num_slots(table: Any, options: ProactiveOptions) -> int:

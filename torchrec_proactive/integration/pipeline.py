@@ -37,6 +37,7 @@ from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
 from ..fetch import FetchFailedError
 from ..store import IdOutOfRangeError, InvalidInputError, StoreStateError
+from ..store.async_count import AsyncCount
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 from .tracing import PipelineTracer
 
@@ -88,6 +89,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         self._prefetched: set = set()
         self._consistency_checked = False
         self._failure: Optional[BaseException] = None
+        self._dense_nonfinite: Optional[AsyncCount] = None  # GPU batches: see enqueue_batch
         # Before the model is rewritten, plain calls go straight to the sharded modules:
         # tell them the depth now so a bypassed pipeline fails loudly instead of silently.
         for module in self._find_proactive_modules(model):
@@ -96,12 +98,23 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
         """TorchRec's enqueue plus a finiteness check of the dense features.
 
-        A NaN/Inf there would reach every table's rows through the gradients; refusing the
-        batch before any of its collectives leaves the model and the host tier untouched.
+        A NaN/Inf there would reach every table's rows through the gradients. On CPU the
+        batch is refused before any of its collectives, leaving the model and the host tier
+        untouched; on a GPU see the comment below (no host read on the training thread).
         """
         if not super().enqueue_batch(dataloader_iter):
             return False
         dense = getattr(self.batches[-1], "dense_features", None)
+        if isinstance(dense, torch.Tensor) and dense.is_floating_point() and dense.device.type != "cpu":
+            # On a GPU the check runs on the stream that filled the tensor (TorchRec's memcpy
+            # stream: no race with its non-blocking copy) and is counted on the device; a
+            # host read here would stall the step, so it is reported at a later step.
+            if self._dense_nonfinite is None:
+                self._dense_nonfinite = AsyncCount(dense.device)
+            stream = self._memcpy_stream
+            with self._stream_context(stream) if stream is not None else contextlib.nullcontext():
+                self._dense_nonfinite.add(torch.isfinite(dense).all().logical_not())
+            return True
         if isinstance(dense, torch.Tensor) and dense.is_floating_point() and not bool(torch.isfinite(dense).all()):
             index = self.contexts[-1].index
             self.batches.pop()
@@ -237,6 +250,12 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             raise
 
     def _progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        if self._dense_nonfinite is not None and self._dense_nonfinite.poll():
+            raise InvalidInputError(
+                "a recent batch's dense features held NaN or Inf (checked on the GPU, where the check is reported "
+                "a step or so late instead of stalling every step); its embedding updates were skipped, but the "
+                "dense optimizer may have stepped on it"
+            )
         if not self._model_attached:
             self.attach(self._model)
         self.fill_pipeline(dataloader_iter)

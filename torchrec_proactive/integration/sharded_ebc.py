@@ -274,8 +274,10 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 config.fused_params = fused
                 if on_cuda:
                     # Not FBGEMM's UVM cache: it would allocate an HBM cache nobody reads.
-                    # Plain UVM rows only carry the initial weights until the kernel copies
-                    # them into its own pinned host tier (ProactiveEmbeddingBag.from_stock).
+                    # Plain UVM rows, host-mapped (malloc + cudaHostRegister: pinned, with no
+                    # power-of-two rounding), become the store's host tier in place
+                    # (ProactiveEmbeddingBag.from_stock): the rows are held once.
+                    fused["uvm_host_mapped"] = True
                     for table in config.embedding_tables:
                         table.compute_kernel = EmbeddingComputeKernel.FUSED_UVM
         return sharding

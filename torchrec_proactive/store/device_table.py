@@ -204,7 +204,9 @@ class DeviceTieredTable(TieredTable):
         the host tier (a synchronisation: this path reads the plan's sizes)."""
         self._check_owner()
         n = int(ids.shape[0])
-        if not overflow and not self.surely_fits(n):
+        if self.surely_fits(n):
+            overflow = False  # nothing can overflow: plan without reading any size back
+        elif not overflow:
             self._raise_wait(n, depth_hint)
         preload = self._plan_preload() if self._preload_pending else None
         S = self.num_slots
