@@ -169,3 +169,132 @@ def deferred_batches_prepare_once(rank: int, world_size: int) -> Dict[str, Any]:
     _run(pipe, [make_batch(tables, 16, seed=rank * 10 + i) for i in range(steps)])
     ebc.check_invariants(expect_drained=True)
     return {"calls": calls, "kernels": len(ebc._proactive_kernels), "steps": steps, "stats": pipe.stats()}
+
+
+def _pipeline_steps(pipe, it, n) -> List[torch.Tensor]:
+    """``n`` progress calls (fewer if the iterator runs dry); each step's logits."""
+    outs = []
+    for _ in range(n):
+        try:
+            outs.append(pipe.progress(it).detach())
+        except StopIteration:
+            break
+    return outs
+
+
+def interleaved_validation(rank: int, world_size: int, load_factor: float, validation: str) -> Dict[str, Any]:
+    """A training pipeline stops mid-epoch (its batches in flight), a second pipeline on the
+    same model runs a validation pass, training resumes: the same as stock TorchRec doing
+    the same with its own pipelines, at caches that force evictions."""
+    from torchrec.distributed.train_pipeline import EvalPipelineSparseDist, TrainPipelineSparseDist
+
+    tables = make_tables(3, rows=800, dim=8)
+    torch.manual_seed(11)
+    seed_state = SparseModel(tables).state_dict()
+    train = [make_batch(tables, 16, seed=100 * rank + i) for i in range(10)]
+    val = [make_batch(tables, 16, seed=5000 + 100 * rank + i) for i in range(4)]
+    device = torch.device("cpu")
+
+    def run(dmp, opt, make_train, make_val):
+        pipe = make_train(dmp, opt)
+        it = iter(train)
+        outs = _pipeline_steps(pipe, it, 4)  # stops with k + 1 batches in flight
+        dmp.eval()
+        val_outs = []
+        if validation == "plain_forward":  # TorchRec's way back to plain forwards, mid-epoch
+            pipe.detach()
+            with torch.no_grad():
+                for b in val:
+                    val_outs.append(dmp(b)[1])
+        else:
+            val_outs = _pipeline_steps(make_val(dmp, opt), iter(val), 100)
+        dmp.train()
+        outs += _pipeline_steps(pipe, it, 100)
+        return outs, val_outs, _params(dmp)
+
+    stock_sharder = EmbeddingBagCollectionSharder(fused_params=dict(FUSED))
+    torch.manual_seed(0)
+    model = SparseModel(tables)
+    stock = shard_model(model, stock_sharder, build_plan(model, stock_sharder, "row_wise", kernel="fused"), device)
+    stock.load_state_dict(copy.deepcopy(seed_state))
+    sopt = combined_optimizer(stock, lambda p: torch.optim.SGD(p, lr=LR))
+    stock_val = {"proactive": TrainPipelineSparseDist, "stock_train": TrainPipelineSparseDist,
+                 "stock_eval": EvalPipelineSparseDist, "plain_forward": None}[validation]
+    ref = run(stock, sopt, lambda d, o: TrainPipelineSparseDist(d, o, device),
+              lambda d, o: stock_val(d, o, device))
+
+    dmp, opt = _proactive(tables, seed_state, cache_load_factor=load_factor)
+    ours_val = {"proactive": lambda d, o: ProactiveTrainPipeline(d, o, device, prefetch_depth=2),
+                "stock_train": lambda d, o: TrainPipelineSparseDist(d, o, device),
+                "stock_eval": lambda d, o: EvalPipelineSparseDist(d, o, device),
+                "plain_forward": None}[validation]
+    got = run(dmp, opt, lambda d, o: ProactiveTrainPipeline(d, o, device, prefetch_depth=2), ours_val)
+    dmp.module.ebc.check_invariants(expect_drained=True)
+
+    def diff(a, b):
+        return max(float((x - y).abs().max()) for x, y in zip(a, b)) if a else 0.0
+
+    return {"n": [len(x) for x in got[:2]], "n_ref": [len(x) for x in ref[:2]],
+            "train_diff": diff(got[0], ref[0]), "val_diff": diff(got[1], ref[1]),
+            "param_diff": max(float((got[2][k] - ref[2][k]).abs().max()) for k in ref[2]),
+            "stats": dmp.module.ebc.proactive_stats.snapshot()}
+
+
+def leaked_pins(rank: int, world_size: int) -> Dict[str, Any]:
+    """Forwards whose backward never comes, a pipeline dropped without reset() and a load of
+    the model and optimizer while another pipeline has batches in flight: no pin outlives
+    its batch, nothing refuses, and the loads apply whole."""
+    import gc
+
+    tables = make_tables(2, rows=500, dim=8)
+    dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), cache_load_factor=0.4)
+    ebc = dmp.module.ebc
+    store = ebc.proactive_kernels[0].store
+    batches = [make_batch(tables, 16, seed=rank * 10 + i) for i in range(8)]
+    out: Dict[str, Any] = {}
+    # 1. After detach(), forwards with grad in train mode whose loss is dropped (a metric peek).
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    _run(pipe, batches[:3])
+    pipe.detach()
+    for b in batches[:6]:
+        loss, _ = dmp(b)
+        del loss
+    out["in_flight_after_peeks"] = store.in_flight  # (releases what the dropped graphs left)
+    out["pins_after_peeks"] = int(store.pins.sum())
+    out["slots"] = store.num_slots
+    snapshot = copy.deepcopy(dmp.state_dict())
+    dmp.load_state_dict(copy.deepcopy(snapshot))  # used to refuse: "batch(es) are in flight"
+    out["load_after_peeks"] = True
+    # 2. A pipeline dropped mid-epoch without reset(); a new one trains on.
+    pipe2 = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    it = iter(batches)
+    pipe2.progress(it)
+    del pipe2, it
+    gc.collect()
+    pipe3 = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    _run(pipe3, batches[:4])
+    ebc.check_invariants(expect_drained=True)
+    out["drained_after_drop"] = True
+    # 3. Loads while a live pipeline holds batches in flight apply whole: the next lookups
+    #    read the loaded values (as stock's would).
+    pipe4 = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    it = iter(batches)
+    pipe4.progress(it)
+    opt_state = copy.deepcopy(opt.state_dict())
+    target = copy.deepcopy(dmp.state_dict())
+    for k, v in target.items():
+        for shard in (v.local_shards() if hasattr(v, "local_shards") else []):
+            shard.tensor.fill_(0.5)
+    dmp.load_state_dict(target)
+    opt.load_state_dict(opt_state)
+    loaded = _params(dmp)
+    out["model_load_applied"] = all(bool((v == 0.5).all()) for k, v in loaded.items() if "ebc" in k)
+    # The batch prefetched before the load is looked up with the loaded rows.
+    dmp.eval()
+    with torch.no_grad():
+        pooled = dmp.module.ebc(batches[1].sparse_features).values()
+    out["lookup_after_load_reads_loaded_rows"] = bool(((pooled == 0) | (pooled % 0.5 == 0)).all())
+    dmp.train()
+    pipe4.reset()
+    ebc.check_invariants(expect_drained=True)
+    return out

@@ -182,3 +182,25 @@ def test_a_deferred_prefetch_is_prepared_once_and_retried_on_the_store_only():
         assert res["stats"]["deferred_batches"] > 0, res  # the cache really made prefetches wait
         assert res["calls"]["prepare"] == once, res
         assert res["calls"]["plan"] > once, res  # ... and they were planned again
+
+
+@pytest.mark.parametrize("load_factor", [0.01, 0.1])
+@pytest.mark.parametrize("validation", ["proactive", "stock_eval", "plain_forward"])
+def test_pipelines_take_turns_on_one_model_as_in_stock(load_factor, validation):
+    """Mid-epoch validation by a second pipeline (or plain forwards) while the training
+    pipeline holds batches in flight: each pipeline owns its batches; results equal stock's."""
+    for res in run_ranks(pipeline_worker.interleaved_validation, world_size=2, load_factor=load_factor,
+                         validation=validation):
+        assert res["n"] == res["n_ref"] == [10, 4], res
+        assert res["train_diff"] < 1e-5 and res["val_diff"] < 1e-5 and res["param_diff"] < 1e-5, res
+        if load_factor == 0.01:  # smaller than one batch: evictions, waits and overflow happened
+            assert res["stats"]["overflow_rows"] > 0 and res["stats"]["rows_written_back"] > 0, res["stats"]
+
+
+def test_no_pin_outlives_its_batch_and_loads_apply_mid_flight():
+    for res in run_ranks(pipeline_worker.leaked_pins, world_size=2):
+        # Six forwards whose loss was dropped pin nothing more than the last one, whose graph
+        # DDP keeps until the next forward (it used to be all six: 153 of 200 slots).
+        assert res["in_flight_after_peeks"] <= 1 and res["pins_after_peeks"] < res["slots"] // 2, res
+        assert res["lookup_after_load_reads_loaded_rows"], res
+        assert res["load_after_peeks"] and res["drained_after_drop"] and res["model_load_applied"], res

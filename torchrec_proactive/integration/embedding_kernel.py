@@ -334,9 +334,21 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self.invalidate()
 
     def invalidate(self) -> None:
-        """Drops the cached rows (after the host tier was loaded); needs no batch in flight."""
+        """Makes the cache match a host tier that was just rewritten (a load, a re-init).
+
+        With no batch in flight the cached rows are dropped. With batches in flight (a load
+        between two steps of a running pipeline) every cached row is copied again from the
+        host tier, in its turn behind every queued fetch, so those batches read the loaded
+        values - what stock TorchRec's lookups would read. Either way the whole load applies."""
         self._engine.drain()
-        self.store.invalidate()
+        store = self.store
+        if not store.in_flight:
+            store.invalidate()
+        elif isinstance(store, DeviceTieredTable):
+            for plan in store.refresh_chunks():
+                self._engine.run([plan], tag="refresh")
+        else:
+            self._engine.run([store.plan_refresh()], tag="refresh")
 
     # ------------------------------------------------------------------ data path
     def plan_batch(self, features: KeyedJaggedTensor, overflow: bool = False) -> PlannedGroup:

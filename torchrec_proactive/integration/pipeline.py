@@ -24,14 +24,17 @@ derives from ``prefetch_depth``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
-from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.types import Awaitable
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
@@ -58,7 +61,10 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         trace: record per-rank trace events (see :class:`PipelineTracer`) for timelines.
     """
 
-    _pipelined_forward_type = PrefetchPipelinedForward
+    # Stock's forward type: the modules' forwards are the same objects whichever of several
+    # pipelines taking turns on the model installed them (a validation pipeline mid-epoch,
+    # EvalPipelineSparseDist), so each reads whatever context its current pipeline sets.
+    _pipelined_forward_type = PipelinedForward
 
     def __init__(
         self,
@@ -90,6 +96,9 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         self._consistency_checked = False
         self._failure: Optional[BaseException] = None
         self._dense_nonfinite: Optional[AsyncCount] = None  # GPU batches: see enqueue_batch
+        # Marks this pipeline's batches in the modules, so that pipelines taking turns on one
+        # model (training, validation mid-epoch) never plan, wait for or free each other's.
+        self._owner = weakref.ref(self)
         # Before the model is rewritten, plain calls go straight to the sharded modules:
         # tell them the depth now so a bypassed pipeline fails loudly instead of silently.
         for module in self._find_proactive_modules(model):
@@ -191,14 +200,16 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
                 dist_input.record_stream(current)
                 module_ctx.record_stream(current)
             module_ctx.batch_index = context.index  # type: ignore[attr-defined]
+            module_ctx.owner = self._owner  # type: ignore[attr-defined]
             if self.prefetch_depth > 0 and isinstance(module, ProactiveShardedEmbeddingBagCollection):
                 module_ctx.prefetch_expected = True  # type: ignore[attr-defined]
                 # Batch N's forward comes before this batch's lookup (k >= 1): plan it while
                 # N's output all-to-all runs (see ProactiveEBCContext).
                 module_ctx.plan_in_output_dist = True  # type: ignore[attr-defined]
                 module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_ctx)
-            context.module_input_post_prefetch[name] = dist_input
-            context.module_contexts_post_prefetch[name] = module_ctx
+            # Handed to the forward as stock hands it: an awaitable of the ids (already here).
+            context.input_dist_tensors_requests[name] = _Ready(dist_input)
+            context.module_contexts[name] = module_ctx
         self.tracer.close("data_dist", context.index)
 
     # ------------------------------------------------------------------ pipeline
@@ -206,10 +217,14 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         """Fills an empty pipeline: batches 0..k with ids launched, fetches of 0..k-1 issued."""
         if self.batches:
             return
-        # An empty pipeline owns no prefetch: whatever the modules still hold was prefetched
-        # by a pipeline that was dropped (e.g. a new pipeline per epoch); release it.
-        for module in self._find_proactive_modules(self._model):
-            module.abandon_prefetched()
+        # Batches still held for pipelines that no longer exist (dropped without reset(), e.g.
+        # a new pipeline per epoch) are released; those of live pipelines are theirs. A
+        # dropped pipeline may sit in a reference cycle, so collect before deciding.
+        modules = self._find_proactive_modules(self._model)
+        if any(m.holds_batches_of_others(self._owner) for m in modules):
+            gc.collect()
+        for module in modules:
+            module.abandon_orphans()
         if not self.enqueue_batch(dataloader_iter):
             return
         t0 = time.perf_counter()
@@ -319,17 +334,38 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
                 if r.stall_s > 0:
                     self.tracer.add("stall", f"stall b{index}", index, r.lookup_started_at, r.lookup_started_at + r.stall_s)
 
+    def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
+        """TorchRec's ``attach`` (after ``detach()``: plain forwards mid-epoch), keeping the
+        batch the pipeline will train next as it was. Stock re-initialises that batch's
+        module contexts (and starts its splits all-to-all again, which every rank then waits
+        for here); ours carry its prefetched fetch, so they are put back."""
+        if not self.contexts:
+            super().attach(model, sparse_dist)
+            return
+        first = self.contexts[0]
+        requests, module_contexts = dict(first.input_dist_tensors_requests), dict(first.module_contexts)
+        splits_before = len(first.fused_splits_awaitables)
+        super().attach(model, sparse_dist)
+        for _, awaitable in first.fused_splits_awaitables[splits_before:]:
+            awaitable.wait()  # (the same collective on every rank: nothing left in flight)
+        del first.fused_splits_awaitables[splits_before:]
+        first.input_dist_tensors_requests.clear()
+        first.input_dist_tensors_requests.update(requests)
+        first.module_contexts.clear()
+        first.module_contexts.update(module_contexts)
+
     def _check_drained(self) -> None:
         for module in self._proactive_modules:
             module.fetch_engine.drain()
             if module._proactive_options.debug_checks:
-                module.check_invariants(expect_drained=True)
+                # (drained of this pipeline's batches; another pipeline may hold its own)
+                module.check_invariants(expect_drained=not module.holds_batches_of_others(self._owner))
 
     def reset(self) -> None:
         """Abandons in-flight batches (e.g. a loop stopped early): their rows are unpinned
         and their fetches completed, so nothing leaks and the cache stays consistent."""
         for context in self.contexts:
-            for module_ctx in list(getattr(context, "module_contexts_post_prefetch", {}).values()):
+            for module_ctx in list(getattr(context, "module_contexts", {}).values()):
                 fetch = getattr(module_ctx, "fetch", None)
                 if fetch is None:
                     continue
@@ -349,7 +385,8 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             for request in list(context.input_dist_tensors_requests.values()):
                 request.wait()
         for module in self._proactive_modules:
-            module.release_unfinished()
+            module.release_unfinished(owner=self._owner)
+            module.abandon_prefetched(owner=self._owner)
         self._prefetched.clear()
         self._failure = None
         super().reset()
@@ -395,6 +432,17 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         if total.get("rows_requested"):
             total["hit_rate"] = total["hits"] / total["rows_requested"]
         return total
+
+
+class _Ready(Awaitable[Any]):
+    """An awaitable of a value that is already there (a batch's ids after its prefetch)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self._value = value
+
+    def _wait_impl(self) -> Any:
+        return self._value
 
 
 @contextlib.contextmanager

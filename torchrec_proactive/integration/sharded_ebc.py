@@ -59,6 +59,10 @@ def is_proactive_group(config: Any) -> bool:
     )
 
 
+def _owner(ctx: Any) -> Any:
+    return getattr(ctx, "owner", None)
+
+
 def _local_grouped_configs(sharding: Any) -> List[Any]:
     """This rank's lookup groups of a TorchRec embedding sharding, before its lookup exists.
 
@@ -85,6 +89,7 @@ class BatchFetch:
     # Issued by the batch's own lookup (reactive, a plain forward, or a prefetch that
     # waited until its lookup): its rows were copied on the critical path.
     at_lookup: bool = False
+    owner: Any = None  # the prefetching pipeline (see ProactiveEBCContext.owner)
 
     @property
     def released(self) -> bool:
@@ -105,6 +110,10 @@ class ProactiveEBCContext(EmbeddingBagCollectionContext):
     fetch: Optional[BatchFetch] = None
     prefetch_expected: bool = False
     plan_in_output_dist: bool = False
+    # Who prefetched this batch: a weak reference to the pipeline, set by it. Several
+    # pipelines may take turns on one model (training, and validation mid-epoch); each owns
+    # its in-flight batches, and none plans, waits for or frees another's.
+    owner: Any = None
 
 
 class _PlanBeforeWaiting(LazyAwaitable[Any]):
@@ -335,7 +344,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return
         self._waiting.append((ctx, dist_input))
         if not getattr(ctx, "plan_in_output_dist", False):
-            self._plan_waiting()
+            self._plan_waiting(owner=getattr(ctx, "owner", None))
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
         if self._proactive_kernels and getattr(ctx, "fetch", None) is None:
@@ -358,19 +367,24 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         out = super().compute_and_output_dist(ctx, input)
         if self._proactive_options.debug_checks:
             self.check_invariants()
-        if self._waiting:
-            # Later batches wait to be planned: plan them while this output all-to-all runs.
-            return _PlanBeforeWaiting(out, self._plan_waiting)
+        owner = getattr(ctx, "owner", None)
+        if any(_owner(c) is owner for c, _ in self._waiting):
+            # Later batches of this pipeline wait to be planned: plan them while this output
+            # all-to-all runs.
+            return _PlanBeforeWaiting(out, lambda: self._plan_waiting(owner=owner))
         return out
 
     # ------------------------------------------------------------------ internals
-    def _plan_waiting(self, until: Optional[Any] = None) -> None:
-        """Plans the waiting batches in arrival order, up to and including ``until`` when it
-        is one of them (the rest are planned in its output all-to-all)."""
-        if until is not None and not any(c is until for c, _ in self._waiting):
+    def _waiting_of(self, owner: Any) -> List[Tuple[Any, KJTList]]:
+        return [(c, d) for c, d in self._waiting if _owner(c) is owner]
+
+    def _plan_waiting(self, until: Optional[Any] = None, owner: Any = None) -> None:
+        """Plans ``owner``'s waiting batches in arrival order, up to and including ``until``
+        when it is one of them (the rest are planned in its output all-to-all)."""
+        queue = self._waiting_of(owner)
+        if until is not None and not any(c is until for c, _ in queue):
             until = None
-        while self._waiting:
-            ctx, dist_input = self._waiting[0]
+        for ctx, dist_input in queue:
             try:
                 fetch = self._issue(dist_input, getattr(ctx, "batch_index", None), overflow=False, ctx=ctx)
             except CacheCapacityError as e:  # does not fit yet: wait for pins to be released
@@ -379,27 +393,34 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     self.proactive_stats.deferred_batches += 1
                     self._warn_deferral_once(getattr(ctx, "batch_index", None), e)
                 return
-            self._waiting.popleft()
+            self._forget_waiting(ctx)
+            fetch.owner = owner
             ctx.fetch = fetch  # type: ignore[attr-defined]
             self._prefetched.append(fetch)
             if ctx is until:
                 return
 
+    def _forget_waiting(self, ctx: Any) -> None:
+        self._waiting = deque((c, d) for c, d in self._waiting if c is not ctx)
+
     def _fetch_at_lookup(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> Optional[BatchFetch]:
         """The fetch of a batch that reaches its lookup without one."""
-        self._plan_waiting(until=ctx)  # backward passes since the last try may have released pins
+        owner = getattr(ctx, "owner", None)
+        self._plan_waiting(until=ctx, owner=owner)  # backward passes since the last try may have released pins
         if getattr(ctx, "fetch", None) is not None:
             return ctx.fetch  # type: ignore[attr-defined]
         index = getattr(ctx, "batch_index", None)
-        if self._waiting and self._waiting[0][0] is ctx:
-            # Still does not fit: every earlier batch is done and no later one is planned
-            # (arrival order), so the rows that do not fit can be served from the host tier.
-            self._waiting.popleft()
+        queue = self._waiting_of(owner)
+        if queue and queue[0][0] is ctx:
+            # Still does not fit: every earlier batch of this pipeline is done and no later
+            # one is planned (arrival order), so the rows that do not fit can be served from
+            # the host tier (other pipelines plan nothing until this one's step is over).
+            self._forget_waiting(ctx)
             return self._issue(input, index, overflow=True, ctx=ctx)
-        if any(c is ctx for c, _ in self._waiting):
+        if any(c is ctx for c, _ in queue):
             raise StoreStateError(
                 f"{self._module_fqn or 'embedding module'}: batch {index} reached its lookup before "
-                f"{len(self._waiting)} earlier prefetched batch(es); batches must be looked up in prefetch order"
+                f"{len(queue)} earlier prefetched batch(es); batches must be looked up in prefetch order"
             )
         if getattr(ctx, "prefetch_expected", False):
             raise NotPrefetchedError(
@@ -452,7 +473,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for group in groups:
                 group.kernel._release(group)
             raise
-        return BatchFetch(ticket, groups, index)
+        return BatchFetch(ticket, groups, index, owner=_owner(ctx))
 
     def _warn_deferral_once(self, index: Optional[int], why: CacheCapacityError) -> None:
         if self._warned_deferral:
@@ -500,37 +521,55 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             )
 
     # ------------------------------------------------------------------ public helpers
-    def release_unfinished(self) -> int:
-        """Unpins the rows of batches whose lookup ran but whose update never will (an
-        exception between forward and the end of backward). Returns the plans released."""
+    def release_unfinished(self, owner: Any = None) -> int:
+        """Unpins the rows of ``owner``'s batches whose lookup ran but whose update never
+        will (an exception between forward and the end of backward), and drops its batches
+        still waiting to be planned. Returns the plans released."""
         released = 0
-        for fetch in self._consumed:
+        mine = [f for f in self._consumed if f.owner is owner]
+        for fetch in mine:
             for group in fetch.groups:
                 for tb in group.table_batches:
                     if not tb.plan.released:
                         tb.table.release(tb.plan)
                         released += 1
-        self._consumed = []
-        self._waiting.clear()  # never planned: nothing to release
+        self._consumed = [f for f in self._consumed if f.owner is not owner and not f.released]
+        self._waiting = deque((c, d) for c, d in self._waiting if _owner(c) is not owner)  # never planned
         for kernel in self._proactive_kernels:
             kernel.unbind()
         return released
 
-    def abandon_prefetched(self) -> int:
-        """Forgets every prefetched batch whose lookup has not come (a pipeline that was
-        dropped, or reset): their moves complete in order, their pins are released, and
-        batches still waiting are dropped. Returns the batches abandoned."""
-        n = len(self._prefetched) + len(self._waiting)
-        for fetch in self._prefetched:
+    def abandon_prefetched(self, owner: Any = None) -> int:
+        """Forgets ``owner``'s prefetched batches whose lookup has not come (a pipeline that
+        was reset): their moves complete in order, their pins are released, and its batches
+        still waiting are dropped. Other pipelines' batches are untouched. Returns the
+        batches abandoned."""
+        return self._abandon(lambda o: o is owner)
+
+    def abandon_orphans(self) -> int:
+        """Forgets the prefetched batches of pipelines that no longer exist (dropped without
+        ``reset()``, e.g. one pipeline per epoch), as ``abandon_prefetched`` does."""
+        return self._abandon(lambda o: o is not None and o() is None)
+
+    def _abandon(self, matches: Any) -> int:
+        fetches = [f for f in self._prefetched if matches(f.owner)]
+        n = len(fetches) + sum(1 for c, _ in self._waiting if matches(_owner(c)))
+        for fetch in fetches:
             try:
                 self._fetch_engine.wait(fetch.ticket)
             except FetchFailedError:
                 pass  # rolled back by the engine
             finally:
                 self._release_fetch(fetch)
-        self._prefetched = []
-        self._waiting.clear()
+        self._prefetched = [f for f in self._prefetched if not matches(f.owner)]
+        self._waiting = deque((c, d) for c, d in self._waiting if not matches(_owner(c)))
+        self._consumed = [f for f in self._consumed if not (matches(f.owner) and f.released)]
         return n
+
+    def holds_batches_of_others(self, owner: Any) -> bool:
+        """Whether batches prefetched by pipelines other than ``owner`` are in flight here."""
+        return any(f.owner is not owner for f in self._prefetched) or any(
+            _owner(c) is not owner for c, _ in self._waiting)
 
     @property
     def fetch_engine(self) -> FetchEngine:

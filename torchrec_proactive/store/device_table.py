@@ -203,6 +203,8 @@ class DeviceTieredTable(TieredTable):
         surely fits (``surely_fits``). With it, misses that find no victim are served from
         the host tier (a synchronisation: this path reads the plan's sizes)."""
         self._check_owner()
+        if self._orphans:
+            self.collect_orphans()
         n = int(ids.shape[0])
         if self.surely_fits(n):
             overflow = False  # nothing can overflow: plan without reading any size back
@@ -509,6 +511,24 @@ class DeviceTieredTable(TieredTable):
                                          wb_rows, wb_slots, counts, released=True))
         return plans
 
+    def refresh_chunks(self, chunk: int = 65536) -> List[DeviceFetchPlan]:
+        """``plan_refresh`` of the base class in bounded chunks: fills of every occupied slot
+        from the host tier, every slot clean afterwards."""
+        plans = []
+        for start in range(0, self.num_slots, chunk):
+            size = min(chunk, self.num_slots - start)
+            slots = torch.arange(start, start + size, dtype=torch.int64, device=self.device)
+            rows = self.d_slot_to_row.narrow(0, start, size)
+            fill_rows, fill_slots, num = compact(rows >= 0, self.sentinel, rows, slots)
+            fill_slots = torch.where(fill_rows == self.sentinel, self.trash, fill_slots)
+            self.d_dirty.narrow(0, start, size).fill_(False)
+            empty = torch.full((size,), self.sentinel, dtype=torch.int64, device=self.device)
+            zero = torch.zeros((), dtype=torch.int64, device=self.device)
+            plans.append(DeviceFetchPlan(self, size, empty, empty, torch.full_like(empty, self.trash), fill_rows,
+                                         fill_slots, empty, torch.full_like(empty, self.trash),
+                                         torch.stack([zero, num, zero, zero]), released=True))
+        return plans
+
     def plan_flush(self) -> DeviceFetchPlan:  # type: ignore[override]
         raise NotImplementedError("a device table flushes in chunks: use flush_chunks()")
 
@@ -517,7 +537,7 @@ class DeviceTieredTable(TieredTable):
         return bool(self.d_dirty.any())
 
     def invalidate(self) -> None:
-        if self._in_flight:
+        if self.in_flight:
             raise StoreStateError(
                 f"table '{self.name}': cannot invalidate the cache while {self._in_flight} "
                 f"batch(es) are in flight; drain the pipeline first"
@@ -542,6 +562,7 @@ class DeviceTieredTable(TieredTable):
 
     def check_invariants(self, expect_drained: bool = False) -> None:
         """Reads the device bookkeeping on the host (tests and debug checks only)."""
+        self.collect_orphans()
         s2r = self.d_slot_to_row.cpu()
         r2s = self.d_row_to_slot.cpu()
         pins = self.d_pins.narrow(0, 0, self.num_slots).cpu()

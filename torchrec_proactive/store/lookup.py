@@ -9,6 +9,7 @@ gradient ever flows to a weight tensor: the update is "fused", like FBGEMM's TBE
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
@@ -226,6 +227,11 @@ def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Te
     return row_grads, grad_psw
 
 
+def _release_later(batches: Sequence[TableBatch]) -> None:
+    for b in batches:
+        b.table.release_later(b.plan)
+
+
 def pool_group(batches: Sequence[TableBatch], weights: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     """The forward of one group's lookup: each batch pooled from its resident rows."""
     return [_pool(b, w) for b, w in zip(batches, weights)]
@@ -252,6 +258,10 @@ class _GroupLookup(torch.autograd.Function):
         # trip autograd's version check. Our own slots are pinned until backward is done.
         ctx.batches = batches
         ctx.weights = weights
+        # Pins live as long as a backward can come: when this node is freed without one (a
+        # forward whose loss was dropped, an exception before backward), the plans are
+        # released at the store's next operation. After a backward the release is a no-op.
+        weakref.finalize(ctx, _release_later, batches)
         return tuple(pool_group(batches, weights))
 
     @staticmethod

@@ -252,6 +252,9 @@ class TieredTable:
         self._allocate_bookkeeping()
         self.stats = TableStats()
         self._in_flight = 0  # plans issued and not yet released
+        # Plans whose release was requested from a finalizer (a forward whose backward can no
+        # longer come); released at the store's next plan, flush or load (release_later).
+        self._orphans: List[FetchPlan] = []
         self._hot_rows = None if hot_rows is None else torch.unique(hot_rows.to(torch.int64))
         if self._hot_rows is not None:
             self.validate_rows(self._hot_rows)
@@ -352,6 +355,8 @@ class TieredTable:
 
         The bookkeeping runs on NumPy views of the store's tensors: a plan is some twenty
         small vector ops, and NumPy's cost per op is a fraction of eager PyTorch's."""
+        if self._orphans:
+            self.collect_orphans()
         r = rows.numpy()
         num_rows = r.shape[0]
         # Sorted rows: the first and the last bound them all.
@@ -538,6 +543,17 @@ class TieredTable:
         self.stats.rows_written_back += plan.num_writebacks
         return plan
 
+    def plan_refresh(self) -> FetchPlan:
+        """A plan that copies every cached row from the host tier again, for a host tier that
+        was loaded while batches are in flight: their pinned rows then hold the loaded values,
+        as a resident table's would. No victims, no pins; every slot is clean afterwards (the
+        dirty rows were flushed before the load, and the host tier is now the truth)."""
+        slots = torch.nonzero(self.slot_to_row >= 0).flatten()
+        rows = self.slot_to_row[slots]
+        self.dirty[slots] = False
+        empty = rows[:0]
+        return FetchPlan(self, empty, empty, rows, slots, empty, empty, released=True)
+
     # ------------------------------------------------------------------ backward
     @torch.no_grad()
     def apply_gradients(self, plan: FetchPlan, row_grads: torch.Tensor, checked: bool = False) -> None:
@@ -581,6 +597,26 @@ class TieredTable:
         update_rows(self.optimizer, self.host_weight, self.host_state, rows,
                     grads.to(device=self.host_weight.device, dtype=self.host_weight.dtype), step)
 
+    def release_later(self, plan: "FetchPlan") -> None:
+        """Asks for ``plan`` to be released at the store's next operation. For finalizers,
+        which may run on any thread between any two lines: a list append is all they do."""
+        self._orphans.append(plan)
+
+    def collect_orphans(self) -> int:
+        """Releases the plans ``release_later`` was asked to release; returns how many."""
+        n = 0
+        while self._orphans:
+            plan = self._orphans.pop()
+            n += not plan.released
+            self.release(plan)
+        return n
+
+    @property
+    def in_flight(self) -> int:
+        """Plans made and not yet released (orphans released first)."""
+        self.collect_orphans()
+        return self._in_flight
+
     def release(self, plan: FetchPlan) -> None:
         """Unpins the plan's slots (idempotent)."""
         if plan.released:
@@ -596,7 +632,7 @@ class TieredTable:
 
         Dirty rows are lost by design here: flush them first (through the fetch engine) when
         they matter, as ``purge`` in the TorchRec kernel does."""
-        if self._in_flight:
+        if self.in_flight:
             raise StoreStateError(
                 f"table '{self.name}': cannot invalidate the cache while {self._in_flight} "
                 f"batch(es) are in flight; drain the pipeline first"
@@ -645,6 +681,7 @@ class TieredTable:
     # ------------------------------------------------------------------ debugging
     def check_invariants(self, expect_drained: bool = False) -> None:
         """Verifies maps, pins and dirty state; raises ``StoreStateError`` on the first breach."""
+        self.collect_orphans()
         occ = torch.nonzero(self.slot_to_row >= 0).flatten()
         rows = self.slot_to_row[occ]
         problems = []
