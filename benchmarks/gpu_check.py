@@ -304,8 +304,9 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the checks run; cpu is a dry run of the same code paths")
-    p.add_argument("--quick", action="store_true", help="smaller tables and fewer steps")
+                   help="where the checks run; cpu is a dry run of the same code paths "
+                        "(default: cuda when available, else cpu)")
+    p.add_argument("--quick", action="store_true", help="smaller tables and fewer steps (default: off)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here (default: none)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -182,7 +182,8 @@ def _pipeline_steps(pipe, it, n) -> List[torch.Tensor]:
     return outs
 
 
-def interleaved_validation(rank: int, world_size: int, load_factor: float, validation: str) -> Dict[str, Any]:
+def interleaved_validation(rank: int, world_size: int, load_factor: float, validation: str,
+                           planner: str = "auto") -> Dict[str, Any]:
     """A training pipeline stops mid-epoch (its batches in flight), a second pipeline on the
     same model runs a validation pass, training resumes: the same as stock TorchRec doing
     the same with its own pipelines, at caches that force evictions."""
@@ -223,7 +224,7 @@ def interleaved_validation(rank: int, world_size: int, load_factor: float, valid
     ref = run(stock, sopt, lambda d, o: TrainPipelineSparseDist(d, o, device),
               lambda d, o: stock_val(d, o, device))
 
-    dmp, opt = _proactive(tables, seed_state, cache_load_factor=load_factor)
+    dmp, opt = _proactive(tables, seed_state, cache_load_factor=load_factor, planner=planner)
     ours_val = {"proactive": lambda d, o: ProactiveTrainPipeline(d, o, device, prefetch_depth=2),
                 "stock_train": lambda d, o: TrainPipelineSparseDist(d, o, device),
                 "stock_eval": lambda d, o: EvalPipelineSparseDist(d, o, device),

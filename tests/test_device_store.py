@@ -196,3 +196,26 @@ def test_the_host_planner_would_not_pass_the_detector():
         ids = torch.randint(0, ROWS, (64,), device="cuda")
         with pytest.raises(HostSyncError, match="copied to the host"):
             unique_rows(ids)
+
+
+@pytest.mark.parametrize("table_type", [TieredTable, DeviceTieredTable])
+def test_a_host_tier_loaded_mid_flight_is_what_the_cache_serves_next(table_type):
+    """A load between two steps (batches planned and fetched, not looked up yet): refreshing
+    copies every cached row - pinned ones included - from the loaded host tier."""
+    table = table_type("t", torch.randn(ROWS, DIM), OptimizerConfig(OptimType.EXACT_ADAGRAD), num_slots=300)
+    engine = FetchEngine()
+    ids = torch.tensor([4, 9, 4, 2999])
+    planned = lookup_module.plan_table_batch(table, ids, torch.tensor([0, 2, 4]))
+    engine.run([planned.plan])
+    table.host_weight.fill_(0.25)  # the load (the engine is idle: a load flushes first)
+    table.host_state["momentum1"].fill_(3.0)
+    if isinstance(table, DeviceTieredTable):
+        for plan in table.refresh_chunks(chunk=128):
+            engine.run([plan])
+    else:
+        engine.run([table.plan_refresh()])
+    pooled = pooled_lookup_group([planned], torch.empty(0, requires_grad=True), train=False)[0]
+    assert torch.equal(pooled, torch.full((2, DIM), 0.5))  # two rows of 0.25 per bag
+    slots = planned.plan.slots[: 3] if isinstance(table, DeviceTieredTable) else planned.plan.slots
+    assert bool((table.cache_state["momentum1"][slots] == 3.0).all())
+    table.check_invariants(expect_drained=True)

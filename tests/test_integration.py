@@ -184,13 +184,16 @@ def test_a_deferred_prefetch_is_prepared_once_and_retried_on_the_store_only():
         assert res["calls"]["plan"] > once, res  # ... and they were planned again
 
 
-@pytest.mark.parametrize("load_factor", [0.01, 0.1])
-@pytest.mark.parametrize("validation", ["proactive", "stock_eval", "plain_forward"])
-def test_pipelines_take_turns_on_one_model_as_in_stock(load_factor, validation):
+@pytest.mark.parametrize("load_factor,validation,planner", [
+    (0.01, "proactive", "host"), (0.1, "proactive", "host"), (0.01, "stock_eval", "host"),
+    (0.1, "stock_eval", "host"), (0.01, "plain_forward", "host"), (0.1, "plain_forward", "host"),
+    (0.01, "proactive", "device"),
+])
+def test_pipelines_take_turns_on_one_model_as_in_stock(load_factor, validation, planner):
     """Mid-epoch validation by a second pipeline (or plain forwards) while the training
     pipeline holds batches in flight: each pipeline owns its batches; results equal stock's."""
     for res in run_ranks(pipeline_worker.interleaved_validation, world_size=2, load_factor=load_factor,
-                         validation=validation):
+                         validation=validation, planner=planner):
         assert res["n"] == res["n_ref"] == [10, 4], res
         assert res["train_diff"] < 1e-5 and res["val_diff"] < 1e-5 and res["param_diff"] < 1e-5, res
         if load_factor == 0.01:  # smaller than one batch: evictions, waits and overflow happened

@@ -495,38 +495,33 @@ class DeviceTieredTable(TieredTable):
     def flush_chunks(self, chunk: int = 65536) -> List[DeviceFetchPlan]:
         """Write-back plans of every dirty slot, ``chunk`` slots each (bounded staging), that
         leave those slots clean. Fixed-shape: a chunk with nothing dirty moves nothing."""
-        plans = []
-        for start in range(0, self.num_slots, chunk):
-            size = min(chunk, self.num_slots - start)
-            slots = torch.arange(start, start + size, dtype=torch.int64, device=self.device)
-            dirty = self.d_dirty.narrow(0, start, size).clone()
-            rows = self.d_slot_to_row.narrow(0, start, size)
-            wb_rows, wb_slots, num = compact(dirty, self.sentinel, rows, slots)
-            wb_slots = torch.where(wb_rows == self.sentinel, self.trash, wb_slots)
-            self.d_dirty.narrow(0, start, size).fill_(False)
-            empty = torch.full((size,), self.sentinel, dtype=torch.int64, device=self.device)
-            zero = torch.zeros((), dtype=torch.int64, device=self.device)
-            counts = torch.stack([zero, zero, num, zero])
-            plans.append(DeviceFetchPlan(self, size, empty, empty, empty, empty, torch.full_like(empty, self.trash),
-                                         wb_rows, wb_slots, counts, released=True))
-        return plans
+        return self._whole_cache_plans(chunk, fills=False)
 
     def refresh_chunks(self, chunk: int = 65536) -> List[DeviceFetchPlan]:
         """``plan_refresh`` of the base class in bounded chunks: fills of every occupied slot
         from the host tier, every slot clean afterwards."""
+        return self._whole_cache_plans(chunk, fills=True)
+
+    def _whole_cache_plans(self, chunk: int, fills: bool) -> List[DeviceFetchPlan]:
+        """One plan per ``chunk`` slots: the occupied slots filled from the host tier
+        (``fills``) or the dirty ones written back; either way every slot ends clean."""
         plans = []
+        dev, sentinel, trash = self.device, self.sentinel, self.trash
         for start in range(0, self.num_slots, chunk):
             size = min(chunk, self.num_slots - start)
-            slots = torch.arange(start, start + size, dtype=torch.int64, device=self.device)
+            slots = torch.arange(start, start + size, dtype=torch.int64, device=dev)
             rows = self.d_slot_to_row.narrow(0, start, size)
-            fill_rows, fill_slots, num = compact(rows >= 0, self.sentinel, rows, slots)
-            fill_slots = torch.where(fill_rows == self.sentinel, self.trash, fill_slots)
+            moves = rows >= 0 if fills else self.d_dirty.narrow(0, start, size).clone()
+            moved_rows, moved_slots, num = compact(moves, sentinel, rows, slots)
+            moved = (moved_rows, torch.where(moved_rows == sentinel, trash, moved_slots))
             self.d_dirty.narrow(0, start, size).fill_(False)
-            empty = torch.full((size,), self.sentinel, dtype=torch.int64, device=self.device)
-            zero = torch.zeros((), dtype=torch.int64, device=self.device)
-            plans.append(DeviceFetchPlan(self, size, empty, empty, torch.full_like(empty, self.trash), fill_rows,
-                                         fill_slots, empty, torch.full_like(empty, self.trash),
-                                         torch.stack([zero, num, zero, zero]), released=True))
+            none = (torch.full((size,), sentinel, dtype=torch.int64, device=dev),
+                    torch.full((size,), trash, dtype=torch.int64, device=dev))
+            zero = torch.zeros((), dtype=torch.int64, device=dev)
+            fill, write_back = (moved, none) if fills else (none, moved)
+            counts = torch.stack([zero, num, zero, zero] if fills else [zero, zero, num, zero])
+            plans.append(DeviceFetchPlan(self, size, none[0], none[0], none[1], *fill, *write_back, counts,
+                                         released=True))
         return plans
 
     def plan_flush(self) -> DeviceFetchPlan:  # type: ignore[override]
