@@ -40,6 +40,12 @@ REQUIRED_KEYS = (
     "fraction_of_resident", "stall_ms_reactive", "stall_ms_proactive", "link", "best_depth", "configs",
 )
 
+#: Per-configuration counters (per step, summed over ranks): what moved, not how fast. They
+#: depend on the data, the cache and the depth only, so tests can assert them exactly.
+COUNTER_KEYS = ("rows_requested_per_step", "rows_fetched_per_step", "rows_fetched_at_lookup_per_step",
+                "bytes_moved_per_step", "rows_written_back_per_step", "hit_rate", "deferred_batches_per_step",
+                "overflow_rows_per_step")
+
 #: ``planning.SHARDING_TYPES`` + ``auto`` (kept here so that ``--help`` and usage errors need
 #: no TorchRec import; tests/test_bench_cli.py checks that the two agree).
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "auto")
@@ -248,7 +254,8 @@ def format_table(report: Dict[str, Any]) -> str:
         + (f" - calibrated so a cold fetch costs {link['target_fetch_fraction']:.0%} of a resident step"
            if link.get("calibrated") else ""),
         f"{'config':<16}{'depth':>6}{'samples/s':>11}{'±%':>6}{'rounds':>7}{'step ms':>9}{'p90 ms':>8}{'stall ms':>9}"
-        f"{'plan ms':>8}{'cpu ms':>7}{'rows/step':>10}{'MB/step':>8}{'hit':>6}{'deferred':>9}{'overflow':>9}",
+        f"{'plan ms':>8}{'cpu ms':>7}{'rows/step':>10}{'@lookup':>8}{'MB/step':>8}{'hit':>6}{'deferred':>9}"
+        f"{'overflow':>9}",
     ]
     for c in report["configs"]:
         if "error" in c:
@@ -262,6 +269,7 @@ def format_table(report: Dict[str, Any]) -> str:
             f"{c['step_ms_median']:>9.1f}{c['step_ms_p90']:>8.1f}"
             f"{c['stall_ms_per_step']:>9.2f}{c.get('plan_ms_per_step', 0.0):>8.2f}"
             f"{c.get('plan_cpu_ms_per_step', 0.0):>7.2f}{c['rows_fetched_per_step']:>10.0f}"
+            f"{c.get('rows_fetched_at_lookup_per_step', 0.0):>8.0f}"
             f"{c['bytes_moved_per_step'] / 1e6:>8.2f}{hit:>6}"
             f"{c.get('deferred_batches_per_step', 0.0):>9.2f}{c.get('overflow_rows_per_step', 0.0):>9.0f}"
         )
@@ -292,7 +300,8 @@ def format_table(report: Dict[str, Any]) -> str:
         lines.append(f"±%: half-width of each rate's interval; {noise['method']}")
     lines.append("plan ms / cpu ms: planning per step, wall time and the planning thread's CPU time (planning "
                  "overlaps the output all-to-all); deferred: prefetches per step that waited for pins; "
-                 "overflow: rows per step served from the host tier (cache smaller than one batch)")
+                 "overflow: rows per step served from the host tier (cache smaller than one batch); "
+                 "@lookup: rows per step copied while the lookup waited (the critical path)")
     return "\n".join(lines)
 
 
@@ -503,6 +512,9 @@ def _sweep(args: argparse.Namespace, settings: Any, summary: Any) -> int:
         for k in ("reactive_samples_per_s_interval", "proactive_samples_per_s_interval", "noise"):
             if k in rep:
                 row[k] = rep[k]
+        # What crossed the link, per configuration: the link's speed changes when rows arrive,
+        # never which rows move (a deterministic check of the sweep, unlike its rates).
+        row["counters"] = {c["name"]: {k: c.get(k) for k in COUNTER_KEYS} for c in rep["configs"] if "error" not in c}
         rows.append(row)
         proactive = (f"proactive {rep['proactive_samples_per_s']:.0f}/s (depth {rep['best_depth']}), speed-up "
                      f"{rep['speedup_vs_reactive']:.2f}x" if rep["best_depth"] is not None else "proactive: every depth failed")
