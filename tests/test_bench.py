@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from torchrec_proactive.bench.runner import REQUIRED_KEYS, main
+from torchrec_proactive.bench.report import REQUIRED_KEYS
+from torchrec_proactive.bench.runner import main
 
 pytestmark = pytest.mark.multiprocess
 

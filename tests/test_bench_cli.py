@@ -55,7 +55,7 @@ def test_user_errors_are_one_line_and_exit_2(args, option, value, limit):
 
 
 def test_sharding_choices_match_the_planner():
-    from torchrec_proactive.bench.runner import SHARDINGS
+    from torchrec_proactive.bench.cli_args import SHARDINGS
     from torchrec_proactive.planning import SHARDING_TYPES
 
     assert SHARDINGS == (*SHARDING_TYPES, "auto")
@@ -176,7 +176,7 @@ def test_rounds_spread_and_noise_verdicts(tiny_run):
 def test_summary_says_what_was_measured_and_warns_on_one_round(tiny_run):
     # Found by a user trial: `bench --quick` printed verdicts with no workload and no word
     # that one round of a few steps is a smoke test.
-    from torchrec_proactive.bench.runner import format_table
+    from torchrec_proactive.bench.report import format_table
 
     proc, report, _ = tiny_run
     first = proc.stdout.splitlines()[0]
@@ -187,7 +187,7 @@ def test_summary_says_what_was_measured_and_warns_on_one_round(tiny_run):
 
 
 def test_noise_verdicts_flag_an_upper_bound_violation_and_overlaps():
-    from torchrec_proactive.bench.runner import noise_verdicts
+    from torchrec_proactive.bench.noise import noise_verdicts
 
     def cfg(name, rate, lo, hi, depth=None):
         return {"name": name, "samples_per_s": rate, "samples_per_s_interval": [lo, hi], "prefetch_depth": depth}
@@ -217,7 +217,7 @@ def _row(bw, reactive, r_int, proactive, p_int):
 
 
 def test_sweep_warnings_only_beyond_noise():
-    from torchrec_proactive.bench.runner import sweep_warnings
+    from torchrec_proactive.bench.noise import sweep_warnings
 
     up = [_row(0.1, 100, [95, 105], 150, [140, 160]), _row(0.2, 200, [190, 210], 250, [240, 260])]
     assert sweep_warnings(up) == []
@@ -232,7 +232,7 @@ def test_sweep_warnings_only_beyond_noise():
 
 @pytest.mark.multiprocess
 def test_sweep_through_the_cli():
-    from torchrec_proactive.bench.runner import sweep_warnings
+    from torchrec_proactive.bench.noise import sweep_warnings
 
     # `--json -`: the JSON report is all of stdout, the summary goes to stderr
     proc = bench(*TINY, "--depths", "2", "--rounds", "1", "--sweep-bandwidth", "100,0.0003", "--json", "-")
