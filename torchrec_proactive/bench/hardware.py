@@ -97,8 +97,9 @@ GH200 = HardwareProfile(
     gpus_per_node=4, hbm_gbps=4000, nvlink_gbps=450, network_gbps=50, host_link_gbps=450,
     dense_tflops=494.7, hbm_bytes=96e9,
     sources=(
-        "NVIDIA GH200 Grace Hopper Superchip datasheet: 96 GB HBM3 at 4 TB/s, NVLink-C2C 900 GB/s between Grace "
-        "and Hopper (450 GB/s each way), Grace LPDDR5X up to 512 GB/s, NVLink 900 GB/s GPU to GPU",
+        "NVIDIA GH200 Grace Hopper Superchip datasheet: 96 GB HBM3 at 4 TB/s, TF32 989 TFLOPS with sparsity "
+        "(494.7 dense), NVLink-C2C 900 GB/s between Grace and Hopper (450 GB/s each way), Grace LPDDR5X up to "
+        "512 GB/s, NVLink 900 GB/s GPU to GPU",
     ),
     assumptions=_COMMON_ASSUMPTIONS + (
         "4 superchips per node joined by NVLink and one 400 Gb/s NIC per superchip (a common GH200 node "
