@@ -186,6 +186,24 @@ def test_summary_says_what_was_measured_and_warns_on_one_round(tiny_run):
     assert "one round: a smoke test, not a measurement" in one_round, one_round
 
 
+@pytest.mark.multiprocess
+def test_scaling_summary_says_how_well_the_model_fits_these_runs(tiny_run):
+    from torchrec_proactive.bench.report import VALIDATION_TOLERANCE, format_table
+
+    proc, report, _ = tiny_run
+    scaling = report["scaling"]
+    assert {v["ranks"] for v in scaling["validation"]} == {1, 2}
+    worst = max(abs(v["modelled_step_ms"] / v["measured_step_ms"] - 1) for v in scaling["validation"])
+    assert scaling["validation_max_abs_error"] == pytest.approx(worst)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("scaling study:"))
+    assert f"within {100 * worst:.1f}%" in line
+    assert ("too short or the machine too busy" in line) == (worst > VALIDATION_TOLERANCE)
+    # either way round, from the same report
+    for error, warned in ((0.05, False), (0.5, True)):
+        fake = {**report, "scaling": {**scaling, "validation_max_abs_error": error}}
+        assert ("too short" in format_table(fake)) == warned
+
+
 def test_noise_verdicts_flag_an_upper_bound_violation_and_overlaps():
     from torchrec_proactive.bench.noise import noise_verdicts
 

@@ -10,7 +10,10 @@ from typing import Any, Dict, List
 
 from .noise import add_noise, noise_verdicts, overlap
 
-__all__ = ["REQUIRED_KEYS", "COUNTER_KEYS", "summarize", "format_table"]
+__all__ = ["REQUIRED_KEYS", "COUNTER_KEYS", "VALIDATION_TOLERANCE", "summarize", "format_table"]
+
+#: How close the scaling study's step model must come to the measured steps it is validated on.
+VALIDATION_TOLERANCE = 0.10
 
 REQUIRED_KEYS = (
     "reactive_samples_per_s", "proactive_samples_per_s", "resident_samples_per_s", "speedup_vs_reactive",
@@ -140,6 +143,17 @@ def format_table(report: Dict[str, Any]) -> str:
         line = f"100%-cache step time / stock resident = {report['cache100_overhead_vs_resident']:.2f}x"
         if "cache100_within_noise_of_resident" in report:
             line += f", {_noise_word(report['cache100_within_noise_of_resident'])}"
+        lines.append(line)
+    scaling = report.get("scaling")
+    if scaling and scaling.get("validation_max_abs_error") is not None:
+        worst = scaling["validation_max_abs_error"]
+        ranks = sorted({v["ranks"] for v in scaling["validation"]})
+        line = (f"scaling study: the step model reproduces these runs ({len(scaling['validation'])} configurations "
+                f"at {'/'.join(map(str, ranks))} rank(s)) within {100 * worst:.1f}%")
+        if worst > VALIDATION_TOLERANCE:
+            line += (f" - over {100 * VALIDATION_TOLERANCE:.0f}%: the runs are too short or the machine too busy to "
+                     f"validate it (their medians move more than the model's error); rerun without --quick on an "
+                     f"idle machine before reading the projection")
         lines.append(line)
     if "auto_depth" in report:
         lines.append(f"auto chose depth {report['auto_depth']}")
