@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from torchrec_proactive.bench.runner import REQUIRED_KEYS, main
+from torchrec_proactive.bench.report import REQUIRED_KEYS
+from torchrec_proactive.bench.runner import main
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,14 +43,34 @@ def test_ratios_are_quotients_of_reported_rates(quick_report):
             assert c["step_ms_p90"] >= c["step_ms_median"]
 
 
-def test_prefetching_cuts_the_stall_under_the_emulated_link(quick_report):
+def test_prefetching_takes_the_copies_off_the_critical_path(quick_report):
+    # Counted rows, not times: reactive copies every missed row while its lookup waits; a
+    # prefetch copies none there while the 5% cache has room for the batches in flight (at
+    # depth 4 some prefetches wait for pins, and are still planned before their lookup).
     report, _ = quick_report
     by_name = {c["name"]: c for c in report["configs"]}
-    assert by_name["reactive"]["stall_ms_per_step"] > 0
+    reactive = by_name["reactive"]
+    assert reactive["rows_fetched_per_step"] > 0
+    assert reactive["rows_fetched_at_lookup_per_step"] == reactive["rows_fetched_per_step"]
     for k in (1, 2):
-        assert by_name[f"depth_{k}"]["stall_ms_per_step"] < by_name["reactive"]["stall_ms_per_step"]
-    # same data, same cache: the same rows cross the link whatever the depth
-    assert by_name["depth_1"]["rows_fetched_per_step"] == pytest.approx(by_name["reactive"]["rows_fetched_per_step"], rel=0.05)
+        assert by_name[f"depth_{k}"]["deferred_batches_per_step"] == 0
+    for k in (1, 2, 4):
+        c = by_name[f"depth_{k}"]
+        assert c["overflow_rows_per_step"] == 0
+        assert c["rows_fetched_at_lookup_per_step"] == 0
+        assert c["rows_fetched_per_step"] > 0
+        # same data, same cache: the same rows are asked for whatever the depth, and about as
+        # many cross the link (deeper prefetch pins more slots, so eviction choices can differ)
+        assert c["rows_requested_per_step"] == reactive["rows_requested_per_step"]
+        assert c["rows_fetched_per_step"] == pytest.approx(reactive["rows_fetched_per_step"], rel=0.05)
+        assert c["hit_rate"] == pytest.approx(1 - c["rows_fetched_per_step"] / c["rows_requested_per_step"])
+    assert by_name["resident"].get("rows_fetched_at_lookup_per_step", 0) == 0
+    # A 1% cache holds less than one batch: rows overflow to the host tier and every fetch
+    # waits for its lookup, so the deepest depth copies as reactive does.
+    small, small_reactive = by_name["cache1"], by_name["cache1_reactive"]
+    assert small["overflow_rows_per_step"] > 0 and small["deferred_batches_per_step"] > 0
+    assert small["rows_fetched_at_lookup_per_step"] == small["rows_fetched_per_step"]
+    assert small_reactive["rows_fetched_at_lookup_per_step"] == small_reactive["rows_fetched_per_step"]
 
 
 def test_timeline_files_written(quick_report):
@@ -70,12 +91,11 @@ def test_auto_runs_the_depth_the_trainer_rule_picks(quick_report):
 
 
 def test_planning_cost_is_reported_as_wall_and_cpu_time(quick_report):
+    # Presence and units only: a test asserts no measured time.
     report, _ = quick_report
     by_name = {c["name"]: c for c in report["configs"]}
-    assert by_name["resident"].get("plan_ms_per_step", 0.0) == 0.0
+    assert by_name["resident"].get("plan_ms_per_step", 0.0) == 0.0  # stock TorchRec plans nothing
     for k in (1, 2):
         c = by_name[f"depth_{k}"]
-        assert c["plan_ms_per_step"] > 0 and c["plan_cpu_ms_per_step"] > 0
-        # CPU time of the planning thread cannot exceed the wall time it spanned (same spans;
-        # the slack covers the clocks' different resolutions)
-        assert c["plan_cpu_ms_per_step"] <= c["plan_ms_per_step"] * 1.05 + 0.05
+        assert isinstance(c["plan_ms_per_step"], float) and isinstance(c["plan_cpu_ms_per_step"], float)
+        assert c["plan_ms_per_step"] >= 0 and c["plan_cpu_ms_per_step"] >= 0

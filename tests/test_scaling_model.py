@@ -1,257 +1,211 @@
-"""Analytical + discrete-event pipeline model of torchrec_proactive.bench.scaling."""
+"""The scaling study: step model, hardware profiles, cache replay, validation, projection files.
+
+Nothing here times anything: the validation test checks the *model* against a recorded
+measurement (tests/fixtures/scaling_validation.json, from `bench --scaling`), the replay
+tests check counted rows.
+"""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from torchrec_proactive.bench.scaling import (
-    ClusterModel,
-    StageTimes,
-    all_to_all_s,
-    calibrate,
-    overlap_window_s,
-    plot_projection,
-    prediction_error,
+from torchrec_proactive.bench.cache_replay import replay, replay_table, zipf_id_stream
+from torchrec_proactive.bench.hardware import PROFILES, collective_bandwidth, profile_named
+from torchrec_proactive.bench.scaling_study import (
+    PAYS_ABOVE,
+    StudySettings,
     project,
-    ring_allreduce_s,
-    simulate,
-    simulate_trace,
-    step_time_proactive,
-    step_time_reactive,
+    validate,
+    verdicts,
+    write_study,
 )
+from torchrec_proactive.bench.step_model import DLRMShape, StageCosts, gpu_stage_costs, step_s
 
 MS = 1e-3
+FIXTURE = Path(__file__).parent / "fixtures" / "scaling_validation.json"
 
 
-def _times(fetch_ms, compute_ms, i_ms, o_ms, a_ms, lat_ms=0.0, other_ms=0.0):
-    return StageTimes(compute_s=compute_ms * MS, input_a2a_s=i_ms * MS, output_a2a_s=o_ms * MS,
-                      allreduce_s=a_ms * MS, fetch_s=fetch_ms * MS, fetch_latency_s=lat_ms * MS,
-                      other_s=other_ms * MS)
+def _costs(main_ms=20.0, copy_ms=10.0, plan_ms=0.0, out_ms=2.0):
+    compute = main_ms - 1 - out_ms  # 1 ms input all-to-all, no all-reduce
+    return StageCosts(input_a2a_s=1 * MS, forward_s=compute / 3 * MS, output_a2a_s=out_ms * MS,
+                      backward_s=2 * compute / 3 * MS, allreduce_s=0.0, copy_s=copy_ms * MS, plan_s=plan_ms * MS)
 
 
-def _model(**kw):
-    base = dict(compute_s=20 * MS, alpha_s=5e-6, beta_s_per_byte=1 / 20e9, dense_param_bytes=2e8,
-                output_bytes_per_step=5e7, id_bytes_per_step=4e6, host_link_bytes_per_s=25e9,
-                host_link_latency_s=1e-5, bytes_per_row=512.0, rows_per_batch=4e5, hit_rate=0.5)
-    base.update(kw)
-    return ClusterModel(**base)
+# ------------------------------------------------------------------------------------------
+# step model
 
 
-def test_hand_computed_full_hiding():
-    # fetch 10 ms, compute 20 ms, comms 5 ms (1 + 2 + 2)
-    t = _times(10, 20, 1, 2, 2)
-    assert step_time_reactive(t) == pytest.approx(35 * MS)
-    assert step_time_proactive(0, t) == pytest.approx(35 * MS)
-    assert overlap_window_s(1, t) == pytest.approx(25 * MS)
-    for k in (1, 2, 4):  # 10 ms fits in the 25 ms window: fully hidden
-        assert step_time_proactive(k, t) == pytest.approx(25 * MS)
+def test_step_model_hand_computed():
+    c = _costs(main_ms=20, copy_ms=10)
+    assert c.main_s == pytest.approx(20 * MS)
+    assert step_s(c, 0) == pytest.approx(30 * MS)  # reactive: the copy on the critical path
+    for k in (1, 2, 8):  # a 10 ms copy hides behind a 20 ms step
+        assert step_s(c, k) == pytest.approx(20 * MS)
+    # a copy longer than the step: the copy engine bounds it; x = (F - k S0) / (k + 1) below that
+    slow = _costs(main_ms=6, copy_ms=10)
+    assert step_s(slow, 1) == pytest.approx(10 * MS)
+    assert step_s(slow, 0) == pytest.approx(16 * MS)
+    # planning hides behind the output all-to-all (2 ms) only: 5 ms shows 3 ms at depth k,
+    # all of it at depth 0
+    planned = _costs(main_ms=20, copy_ms=10, plan_ms=5, out_ms=2)
+    assert step_s(planned, 2) == pytest.approx(23 * MS)
+    assert step_s(planned, 0) == pytest.approx(35 * MS)
+    # the copy of batch N+k is issued after the rest of forward N (L = forward + plan) and
+    # must land by the lookup of N+k: main 6 ms (forward 1 ms), copy 10 ms at mean depth 0.5
+    assert slow.issue_after_lookup_s == pytest.approx(1 * MS)
+    assert step_s(slow, 0.5) == pytest.approx((6 + 10 + 1) / 1.5 * MS)
+    # a copy that outlasts the window at depth 1 stalls: (S0 + F + L) / 2 > F
+    long = _costs(main_ms=20, copy_ms=25, out_ms=2)  # forward (20 - 3) / 3 ms
+    assert step_s(long, 1) == pytest.approx((20 + 25 + 17 / 3) / 2 * MS)
+    assert step_s(long, 2) == pytest.approx(25 * MS)  # deeper: only the copy engine bounds it
 
 
-def test_hand_computed_partial_hiding():
-    # S0 = 4 + 1 + 1 + 0 = 6 ms, fetch 10 ms.
-    t = _times(10, 4, 1, 1, 0)
-    assert step_time_reactive(t) == pytest.approx(16 * MS)
-    # whole fetch occupies the link: the link moves one batch per 10 ms whatever the depth
-    assert step_time_proactive(1, t) == pytest.approx(10 * MS)
-    assert step_time_proactive(2, t) == pytest.approx(10 * MS)
-    # pure latency (transfers overlap): x = (F - k S0) / (k + 1)  ->  k=1: 6 + 2 = 8 ms
-    lat = _times(10, 4, 1, 1, 0, lat_ms=10)
-    assert step_time_proactive(1, lat) == pytest.approx(8 * MS)
-    assert step_time_proactive(2, lat) == pytest.approx(6 * MS)
-    # mixed: link busy 6 ms, latency 4 ms, S0 = 5 ms
-    mix = _times(10, 3, 1, 1, 0)
-    mix = replace(mix, fetch_latency_s=4 * MS)
-    assert step_time_proactive(1, mix) == pytest.approx(7.5 * MS)
-    assert step_time_proactive(2, mix) == pytest.approx(6 * MS)
-    assert step_time_proactive(4, mix) == pytest.approx(6 * MS)
-
-
-CASES = [
-    _times(10, 20, 1, 2, 2),
-    _times(10, 4, 1, 1, 0),
-    _times(10, 4, 1, 1, 0, lat_ms=10),
-    _times(10, 3, 1, 1, 0, lat_ms=4),
-    _times(30, 5, 2, 2, 1, lat_ms=20, other_ms=1),
-    _times(0, 7, 1, 1, 1),
-]
-
-
-@pytest.mark.parametrize("t", CASES)
-@pytest.mark.parametrize("depth", [0, 1, 2, 4])
-def test_simulator_agrees_with_formula(t, depth):
-    sim = simulate(t, depth, num_steps=300)
-    assert sim == pytest.approx(step_time_proactive(depth, t), rel=0.01)
-
-
-def test_simulator_trace_and_jitter():
-    t = _times(14, 10, 2, 2, 2)
-    ev = simulate_trace(t, 2, num_steps=6)
-    lanes = {e.lane for e in ev}
-    assert lanes == {"data_dist", "fetch", "compute", "output_comm", "allreduce"}
-    for b in range(6):  # the rows of a batch are in place before its compute starts
-        fetch = next(e for e in ev if e.lane == "fetch" and e.batch == b)
-        comp = next(e for e in ev if e.lane == "compute" and e.batch == b)
-        ids = next(e for e in ev if e.lane == "data_dist" and e.batch == b)
-        assert ids.end_s <= fetch.start_s and fetch.end_s <= comp.start_s
-    fetches = sorted((e for e in ev if e.lane == "fetch"), key=lambda e: e.batch)
-    for a, b in zip(fetches, fetches[1:]):  # single FIFO link
-        assert a.end_s <= b.start_s + 1e-15
-    # with jittered stage times deeper lookahead absorbs the variance (paired draws)
-    j1 = simulate(t, 1, 300, jitter=0.5, seed=3)
-    j4 = simulate(t, 4, 300, jitter=0.5, seed=3)
-    assert j4 < j1
-    assert simulate(t, 0, 300, jitter=0.5, seed=3) > j1
-
-
-def test_alpha_beta_costs_hand_checked():
-    # p = 4, 1 MB, beta = 1 ns/B, alpha = 10 us: 2*3/4*1e6*1e-9 + 2*3*1e-5 = 1.56 ms
-    assert ring_allreduce_s(1e6, 4, 1e-5, 1e-9) == pytest.approx(1.56e-3)
-    # all-to-all: 3*alpha + 3/4 * 4 MB * beta = 30 us + 3 ms
-    assert all_to_all_s(4e6, 4, 1e-5, 1e-9) == pytest.approx(3.03e-3)
-    assert ring_allreduce_s(1e6, 1, 1e-5, 1e-9) == 0.0
-    assert all_to_all_s(1e6, 1, 1e-5, 1e-9) == 0.0
-    m = _model()
-    st = m.stage_times(8)
-    assert st.allreduce_s == pytest.approx(2 * 7 / 8 * 2e8 / 20e9 + 14 * 5e-6)
-    assert st.output_a2a_s == pytest.approx(7 * 5e-6 + 7 / 8 * 5e7 / 20e9)
-    assert st.fetch_s == pytest.approx(1e-5 + 4e5 * 0.5 * 512 / 25e9)
-    assert step_time_reactive(m, 8) == pytest.approx(step_time_reactive(st))
-
-
-@pytest.mark.parametrize(
-    "kw, field",
-    [({"hit_rate": 1.5}, "hit_rate"), ({"alpha_s": -1.0}, "alpha_s"),
-     ({"host_link_bytes_per_s": 0.0}, "host_link_bytes_per_s"), ({"compute_s": float("inf")}, "compute_s")],
-)
-def test_cluster_model_validation(kw, field):
-    with pytest.raises(ValueError, match=field) as err:
-        _model(**kw)
-    assert repr(next(iter(kw.values()))) in str(err.value)
-
-
-def test_stage_times_and_call_validation():
-    with pytest.raises(ValueError, match="compute_s"):
-        _times(1, -1, 0, 0, 0)
-    with pytest.raises(ValueError, match="fetch_latency_s"):
-        _times(1, 1, 0, 0, 0, lat_ms=2)
-    with pytest.raises(ValueError, match="world_size"):
-        StageTimes(1, 0, 0, 0, 0, world_size=0)
+def test_stage_costs_refuse_bad_values():
+    with pytest.raises(ValueError, match="copy_s"):
+        StageCosts(0, 0, 0, 0, 0, copy_s=-1.0)
+    with pytest.raises(ValueError, match="forward_s"):
+        StageCosts(0, float("nan"), 0, 0, 0, 0)
     with pytest.raises(ValueError, match="depth"):
-        step_time_proactive(-1, _times(1, 1, 0, 0, 0))
-    with pytest.raises(ValueError, match="world_size"):
-        step_time_reactive(_model())
-    with pytest.raises(ValueError, match="world_size"):
-        _model().stage_times(0)
-    with pytest.raises(ValueError, match="num_steps"):
-        simulate(_times(1, 1, 0, 0, 0), 1, num_steps=1)
+        step_s(_costs(), -1)
 
 
-def test_projection_monotonic_allreduce_bound(tmp_path):
-    m = _model(dense_param_bytes=4e9, alpha_s=2e-5)  # all-reduce dominated
-    sizes = (8, 16, 32, 64, 128, 256, 512, 1024)
-    rows = project(m, world_sizes=sizes, depths=(0, 1, 2, 4))
-    assert len(rows) == len(sizes) * 4
-    assert all(r["allreduce_s"] > r["compute_s"] for r in rows)
-    for k in (0, 1, 2, 4):
-        steps = [r["step_s"] for r in rows if r["depth"] == k]
-        assert all(a <= b for a, b in zip(steps, steps[1:]))
-    for r in rows:
-        assert r["speedup"] >= 1.0
-        assert r["step_s"] == pytest.approx(step_time_proactive(r["depth"], m, r["world_size"]))
-    with pytest.raises(ValueError, match="world_sizes"):
-        project(m, world_sizes=(0,))
-    out = plot_projection(rows, tmp_path / "proj" / "projection.png")
-    data = out.read_bytes()
-    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5_000
+# ------------------------------------------------------------------------------------------
+# hardware profiles and TorchRec's cost rules
 
 
-def _measure(truth: ClusterModel, world_size: int, depth: int) -> StageTimes:
-    st = replace(truth.stage_times(world_size, depth), other_s=0.0)
-    return replace(st, step_s=step_time_proactive(depth, truth.stage_times(world_size)))
+def test_profiles_are_named_systems_with_sources():
+    names = [p.name for p in PROFILES]
+    assert any(n.startswith("DGX H100") for n in names) and any(n.startswith("DGX H200") for n in names)
+    assert any(n.startswith("GH200") for n in names)
+    for p in PROFILES:
+        assert p.sources and all("datasheet" in s for s in p.sources), p.name
+        assert p.assumptions  # what no datasheet gives is said
+    h100, gh200 = profile_named("DGX H100"), profile_named("GH200")
+    assert (h100.host_link_gbps, h100.network_gbps, h100.gpus_per_node) == (64, 50, 8)  # PCIe Gen5, 400 Gb/s IB
+    assert gh200.host_link_gbps == 450  # NVLink-C2C, each way
+    with pytest.raises(ValueError, match="hardware profile 'TPU'"):
+        profile_named("TPU")
 
 
-def test_calibrate_recovers_model_and_prediction_error():
-    truth = _model(overhead_s=2 * MS)
-    measured = {f"p{p}-d{k}": _measure(truth, p, k) for p in (1, 2) for k in (0, 2)}
-    template = replace(truth, compute_s=1.0, alpha_s=1.0, beta_s_per_byte=1.0, host_link_bytes_per_s=1.0,
-                       overhead_s=0.0)
-    fit = calibrate(measured, template)
-    assert fit.compute_s == pytest.approx(truth.compute_s)
-    assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-6)
-    assert fit.beta_s_per_byte == pytest.approx(truth.beta_s_per_byte, rel=1e-6)
-    assert fit.host_link_bytes_per_s == pytest.approx(truth.host_link_bytes_per_s, rel=1e-6)
-    assert fit.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
-    err = prediction_error(fit, measured)
-    assert set(err["configs"]) == set(measured)
-    assert err["max_abs_rel_error"] < 1e-6
-    # the measured stages (without the 2 ms overhead) underpredict the reactive step
-    assert err["configs"]["p1-d0"]["formula_rel_error"] < 0
-
-    # per-config dicts that carry the sizes work without a template
-    sizes = {k: getattr(truth, k) for k in ("dense_param_bytes", "output_bytes_per_step", "id_bytes_per_step",
-                                            "bytes_per_row", "rows_per_batch", "hit_rate", "host_link_latency_s")}
-    as_dicts = {name: {**st.to_dict(), **sizes, "label": name} for name, st in measured.items()}
-    fit2 = calibrate(as_dicts)
-    assert fit2.alpha_s == pytest.approx(truth.alpha_s, rel=1e-6)
-    assert prediction_error(fit2, as_dicts)["max_abs_rel_error"] < 1e-6
-    # a known error: 10 % slower measured step
-    slow = {"p2-d0": replace(measured["p2-d0"], step_s=measured["p2-d0"].step_s * 1.1)}
-    assert prediction_error(fit, slow)["configs"]["p2-d0"]["rel_error"] == pytest.approx(1 / 1.1 - 1)
+def test_collectives_follow_torchrec_bandwidth_rule():
+    h100 = profile_named("DGX H100")
+    # inside a node: NVLink; across nodes: the NIC (TorchRec's BasicCommsBandwidths.get_bw)
+    assert collective_bandwidth(h100, 8, "all_to_all") == pytest.approx(450e9)
+    assert collective_bandwidth(h100, 16, "all_to_all") == pytest.approx(50e9)
+    assert collective_bandwidth(h100, 16, "all_reduce") == pytest.approx(50e9 * 8)  # one NIC per GPU
 
 
-def test_calibrate_errors():
-    truth = _model()
-    one_rank = {"p1": _measure(truth, 1, 0)}
-    with pytest.raises(ValueError, match="sizes"):
-        calibrate(one_rank)
-    with pytest.raises(ValueError, match="alpha_s"):
-        calibrate({"p1": {**one_rank["p1"].to_dict(), "dense_param_bytes": 1, "output_bytes_per_step": 1,
-                          "id_bytes_per_step": 1, "bytes_per_row": 4, "rows_per_batch": 10, "hit_rate": 0.5}})
-    # with a template the network parameters fall back to it
-    fit = calibrate(one_rank, truth)
-    assert fit.alpha_s == truth.alpha_s
-    with pytest.raises(ValueError, match="step_s"):
-        prediction_error(truth, {"x": replace(one_rank["p1"], step_s=None)})
+def test_gpu_stage_costs_hand_checked():
+    h100 = profile_named("DGX H100")
+    shape = DLRMShape()
+    ids = 4096 * 26
+    c = gpu_stage_costs(h100, shape, 1, fetched_rows_per_id=0.25, written_back_rows_per_id=0.25, plan_s_per_id=1e-8)
+    assert c.input_a2a_s == c.output_a2a_s == c.allreduce_s == 0.0  # one GPU: no collectives
+    assert c.copy_s == pytest.approx(10e-6 + ids * 0.5 * (128 * 4 + 4) / 64e9)
+    assert c.plan_s == pytest.approx(ids * 1e-8)
+    assert c.backward_s == pytest.approx(2 * c.forward_s)  # TorchRec's BWD_COMPUTE_MULTIPLIER
+    c16 = gpu_stage_costs(h100, shape, 16, 0.0, 0.0, 0.0)
+    assert c16.copy_s == 0.0
+    assert c16.output_a2a_s == pytest.approx(20e-6 + 15 / 16 * 4096 * 26 * 128 * 4 / 50e9)
+    # the dense parameters all-reduced: bottom 13-512-256-128, top (128 + 27*26/2)-1024-1024-512-256-1
+    assert shape.dense_param_bytes == 4 * sum(i * o + o for i, o in [(13, 512), (512, 256), (256, 128), (479, 1024),
+                                                                      (1024, 1024), (1024, 512), (512, 256), (256, 1)])
 
 
-def test_projection_figure_reads_at_a_glance():
-    from torchrec_proactive.bench.scaling import model_assumptions, projection_figure
-
-    m = _model()  # compute 20 ms hides a 4 ms fetch at every depth >= 1: depths 1, 2, 4 coincide
-    rows = project(m)
-    fig = projection_figure(rows, assumptions=model_assumptions(m))
-    panels = [ax for ax in fig.axes if ax.get_xlabel() == "GPUs"]
-    assert len(panels) == 2
-    for ax in panels:
-        legend = ax.get_legend()
-        assert legend is not None, ax.get_ylabel()
-        labels = [t.get_text() for t in legend.get_texts()]
-        assert len(labels) == 4 and labels[0].startswith("reactive")
-        # the two depths that draw on top of depth 1 say so
-        assert sum("same as depth 1" in lab for lab in labels) == 2, labels
-        lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
-        styles = {(ln.get_linestyle(), ln.get_marker()) for ln in lines}
-        assert len(lines) == 4 and len(styles) == 4  # every depth its own line style and marker
-        # a label at the end of the lines names every depth of a coinciding group
-        assert any("1 = 2 = 4" in t.get_text() for t in ax.texts), [t.get_text() for t in ax.texts]
-    boxes = [t for t in fig.texts if t.get_bbox_patch() is not None]
-    assert len(boxes) == 1
-    text = boxes[0].get_text()
-    for fragment in ("weak scaling", "compute 20.0 ms", "host link 25 GB/s", "not a measurement"):
-        assert fragment in text, text
-    # without given assumptions the figure still states what it assumes
-    default = projection_figure(rows)
-    assert any("weak scaling" in t.get_text() for t in default.texts if t.get_bbox_patch() is not None)
+# ------------------------------------------------------------------------------------------
+# cache replay: counted rows, through the real store
 
 
-def test_projection_figure_distinct_depths_are_not_marked_as_coinciding():
-    from torchrec_proactive.bench.scaling import projection_figure
+@pytest.fixture(scope="module")
+def tables():
+    return zipf_id_stream(num_tables=2, rows_per_table=5000, batch_size=128, num_steps=16, alpha=1.05)
 
-    # (in the cluster model depths >= 1 always coincide; rows as a simulator with jitter gives them)
-    rows = [{**r, "step_s": r["step_s"] * (1 - 0.05 * r["depth"])} for r in project(_model())]
-    fig = projection_figure(rows)
-    for ax in [a for a in fig.axes if a.get_xlabel() == "GPUs"]:
-        labels = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert not any("same as" in lab for lab in labels), labels
+
+def test_replay_counts_reactive_copies_on_the_critical_path(tables):
+    reactive = replay("zipf", tables, 0.05, 0, warmup=4)
+    ahead = replay("zipf", tables, 0.05, 2, warmup=4)
+    assert reactive.fetched_rows_per_id > 0
+    assert reactive.fetched_rows_at_lookup_per_id == reactive.fetched_rows_per_id and reactive.mean_lead == 0
+    assert ahead.fetched_rows_at_lookup_per_id == 0 and ahead.mean_lead == 2 and ahead.deferred_per_step == 0
+    assert ahead.unique_rows_per_id == reactive.unique_rows_per_id  # same batches, same rows asked for
+    assert 0 < reactive.hit_rate < 1
+    # a cache that holds every row fetches nothing after warm-up, at any depth
+    full = replay("zipf", tables, 1.0, 2, warmup=4)
+    assert full.fetched_rows_per_id == 0 and full.hit_rate == 1.0
+
+
+def test_replay_counts_deferred_and_overflow_rows(tables):
+    rows_per_batch = min(len(np.unique(s)) for s in tables[0][1])
+    # a cache smaller than one batch's rows: overflow, and every prefetch waits to its own step
+    tiny = replay_table(tables[0][1], 5000, (rows_per_batch // 2) / 5000, 2, warmup=4)
+    assert tiny["overflow"] > 0 and tiny["leads"] == 0 and tiny["deferred"] == tiny["steps"]
+    assert tiny["fetched_at_lookup"] == tiny["fetched"]
+    with pytest.raises(ValueError, match="cache_fraction"):
+        replay_table(tables[0][1], 5000, 0.0, 1)
+    with pytest.raises(ValueError, match="warmup"):
+        replay_table(tables[0][1], 5000, 0.1, 1, warmup=16)
+
+
+# ------------------------------------------------------------------------------------------
+# validation on recorded runs, projection, files
+
+
+def test_model_reproduces_the_recorded_cpu_runs_within_10_percent():
+    runs = json.loads(FIXTURE.read_text())["validation_runs"]
+    assert sorted(r["world_size"] for r in runs) == [1, 2]
+    checks = validate(runs)
+    assert {c["ranks"] for c in checks} == {1, 2}
+    assert {c["depth"] for c in checks} >= {0, 1, 2}
+    for c in checks:
+        assert c["error"] == pytest.approx(c["modelled_step_ms"] / c["measured_step_ms"] - 1)
+        assert abs(c["error"]) <= 0.10, c
+
+
+def _small_study(tmp_path):
+    settings = StudySettings(world_sizes=(1, 8, 64), cache_fractions=(0.05, 1.0), depths=(0, 1, 2),
+                             shape=DLRMShape(batch_per_gpu=256), zipf_tables=2, zipf_rows=5000, criteo_tables=2,
+                             criteo_batch=128, replay_steps=8, replay_warmup=2)
+    runs = json.loads(FIXTURE.read_text())["validation_runs"]
+    return settings, write_study(tmp_path / "study", runs, settings)
+
+
+def test_projection_json_and_plot(tmp_path):
+    settings, doc = _small_study(tmp_path)
+    saved = json.loads((tmp_path / "study" / "projection.json").read_text())
+    assert saved["validation"] and all(set(v) >= {"ranks", "measured_step_ms", "modelled_step_ms"}
+                                       for v in saved["validation"])
+    assert [p["name"] for p in saved["profiles"]] == [p.name for p in PROFILES]
+    assert all("host_link_gbps" in p and p["sources"] for p in saved["profiles"])
+    png = tmp_path / "study" / "projection.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and str(png) in doc["files"]
+    rows = saved["projection"]
+    assert len(rows) == len(PROFILES) * 2 * 3 * 2 * 3  # profiles x planning x scales x caches x depths
+    for r in rows:  # every speed-up is the quotient of the two step times it compares
+        reactive = next(x for x in rows if x["depth"] == 0 and all(
+            x[k] == r[k] for k in ("profile", "planning", "world_size", "cache_fraction")))
+        assert r["speedup_vs_reactive"] == pytest.approx(reactive["step_ms"] / r["step_ms"])
+    # a cache that holds every row copies nothing: nothing to hide, proactive = reactive
+    assert all(r["speedup_vs_reactive"] == pytest.approx(1.0) for r in rows
+               if r["cache_fraction"] == 1.0 and r["planning"] == "device")
+    for v in saved["verdicts"]:
+        assert v["why"] and "paper" in v["vs_paper"]
+        assert all(v["speedup_by_scale"][str(w)] > PAYS_ABOVE for w in v["pays_at"])
+
+
+def test_verdicts_name_where_it_stops_paying_and_why():
+    def row(world, depth, step, copy=1.0, lead=1.0):
+        return {"profile": "p", "planning": "device", "cache_fraction": 0.05, "world_size": world, "depth": depth,
+                "step_ms": step, "effective_depth": lead if depth else 0.0,
+                "speedup_vs_reactive": None if depth == 0 else 10.0 / step,
+                "stages_ms": {"input_a2a_s": 0.0, "forward_s": 5.0, "output_a2a_s": 1.0, "backward_s": 3.0,
+                              "allreduce_s": 0.0, "copy_s": copy, "plan_s": 0.0}}
+
+    rows = [row(1, 0, 10.0), row(1, 1, 8.0), row(8, 0, 10.0), row(8, 1, 9.9, copy=0.1)]
+    (v,) = verdicts(rows)
+    assert v["pays_at"] == [1] and v["stops_paying_at"] == 8
+    assert "under 5%" in v["why"]
+    assert v["speedup_by_scale"] == {1: pytest.approx(1.25), 8: pytest.approx(10 / 9.9)}

@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
 from .compose import compose_config
+from .config_words import capacity_error, in_config_words
 from .errors import UserError
 
 MODES = ("train", "compare")
@@ -110,19 +111,8 @@ def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
 
                 return run_compare(cfg)
         except CacheCapacityError as e:
-            from .train import capacity_error
-
             raise capacity_error(cfg, e) from e
     raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
-
-
-def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
-    """``text`` (a message of the store or the sharder) with the library's parameter names
-    replaced by the config keys a user of the CLI sets (and their values, ``with_values``)."""
-    load_factor = f"cache.load_factor (now {cfg.cache.load_factor:g})" if with_values else "cache.load_factor"
-    for library_name in ("CacheParams.load_factor", "cache_load_factor"):
-        text = text.replace(library_name, load_factor)
-    return text
 
 
 class _InConfigWords:

@@ -18,9 +18,6 @@ from . import data as data_lib
 from . import model as model_lib
 from .checkpoint import Checkpointer
 from .compose import to_yaml
-from .entry import in_config_words
-from ..store import CacheCapacityError
-from .errors import ConfigError
 from .env import check_same_config, make_env, seed_everything, setup_logging
 from .loop import Summary, Trainer
 from .rundir import check_run_dir, checkpoint_dir, latest_checkpoint
@@ -33,19 +30,6 @@ def run_training(cfg: Config) -> Summary:
     summary = trainer.fit()
     trainer.log.info("done: %d steps, depth %d, %s", summary.steps, summary.depth, format_steady(summary.steady))
     return summary
-
-
-def capacity_error(cfg: Config, e: CacheCapacityError) -> ConfigError:
-    """The store's capacity error in the words of the config: it knows the sharder's
-    ``cache_load_factor`` and ``prefetch_depth``; the user set ``cache.load_factor`` and
-    ``prefetch.*``."""
-    depth = {"off": "prefetch=off (depth 0)", "fixed": f"prefetch.depth={cfg.prefetch.depth}",
-             "auto": f"prefetch=auto (prefetch.max_depth={cfg.prefetch.max_depth})"}[cfg.prefetch.mode]
-    # (The message starts with the value already.)
-    detail = in_config_words(str(e), cfg, with_values=False).replace("prefetch_depth", "depth")
-    fixes = "raise cache.load_factor" + (", set cache.fit_depth=true" if not cfg.cache.fit_depth else "") + \
-        ("" if cfg.prefetch.mode == "off" else " or lower the depth")
-    return ConfigError(f"cache.load_factor={cfg.cache.load_factor:g} is too small for {depth}: {detail}; {fixes}")
 
 
 def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool = True) -> Trainer:

@@ -93,10 +93,37 @@ class Measurement:
     deltas: Dict[str, float]
 
 
-def _train(pipeline: Any, batches: List[Any], warmup: int) -> Measurement:
+class LookupFetchCounter:
+    """Counts the rows a proactive module copies at lookup time, on the critical path.
+
+    At depth 0 every fetch is such a copy; at depth >= 1 only the fetch of a batch whose
+    prefetch could not be planned before its lookup is (rows that did not fit beside the pins
+    in flight). A count of moved rows, not a time, so tests can assert it.
+    (Wraps the module's lookup-time fetch; the pipeline's stats have no such key.)
+    """
+
+    def __init__(self, modules: List[Any]) -> None:
+        self.rows = 0
+        for module in modules:
+            fetch_at_lookup = module._fetch_at_lookup
+
+            def counted(ctx: Any, input: Any, _inner: Any = fetch_at_lookup) -> Any:
+                fetch = _inner(ctx, input)
+                if fetch is not None:
+                    self.rows += fetch.ticket.num_rows
+                return fetch
+
+            module._fetch_at_lookup = counted
+
+
+def _train(pipeline: Any, batches: List[Any], warmup: int, counter: Optional[LookupFetchCounter] = None) -> Measurement:
     it = iter(batches)
     times: List[float] = []
-    stats = (lambda: dict(pipeline.stats())) if hasattr(pipeline, "prefetch_depth") else (lambda: {})
+    if hasattr(pipeline, "prefetch_depth"):
+        def stats() -> Dict[str, float]:
+            return {**pipeline.stats(), "rows_fetched_at_lookup": counter.rows if counter else 0}
+    else:
+        stats = lambda: {}  # noqa: E731
     start: Dict[str, float] = {}
     step = 0
     while True:
@@ -123,9 +150,9 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
     s = sorted(step)
     total = {k: sum(m.deltas.get(k, 0.0) for m in runs) for k in runs[0].deltas}
     stall = _max_over_ranks([total.get("stall_s", 0.0) / n])[0]
-    rows, nbytes, wb, hits, req, deferred, overflow = _sum_over_ranks(
+    rows, nbytes, wb, hits, req, deferred, overflow, at_lookup = _sum_over_ranks(
         [total.get(k, 0.0) for k in ("rows_fetched", "bytes_moved", "rows_written_back", "hits", "rows_requested",
-                                     "deferred_batches", "overflow_rows")]
+                                     "deferred_batches", "overflow_rows", "rows_fetched_at_lookup")]
     )
     # Planning per step on the slowest rank: wall time, and the planning thread's CPU time.
     plan_s, plan_cpu_s = _max_over_ranks([total.get("plan_s", 0.0) / n, total.get("plan_cpu_s", 0.0) / n])
@@ -144,6 +171,10 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         "samples_per_s": world_size * settings.workload.batch_size / median,
         "stall_ms_per_step": 1e3 * stall,
         "rows_fetched_per_step": rows / n,
+        # copied while the lookup waited (critical path): all of reactive's, none of a
+        # prefetch that was planned ahead
+        "rows_fetched_at_lookup_per_step": at_lookup / n,
+        "rows_requested_per_step": req / n,
         "bytes_moved_per_step": nbytes / n,
         "rows_written_back_per_step": wb / n,
         "plan_ms_per_step": 1e3 * plan_s,
@@ -209,9 +240,9 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
         else:
             pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=depth,
                                           trace=settings.trace and name not in traces)
-        m = _train(pipe, batches, settings.warmup_steps)
+        ebc = dmp.module.model.sparse_arch.embedding_bag_collection
+        m = _train(pipe, batches, settings.warmup_steps, LookupFetchCounter([ebc]) if depth is not None else None)
         if depth is not None:
-            ebc = dmp.module.model.sparse_arch.embedding_bag_collection
             ebc.check_invariants(expect_drained=True)
             stores = list(ebc.named_tables().values())
             host = sum(t.host_tier_bytes() for t in stores)

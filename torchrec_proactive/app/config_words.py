@@ -1,0 +1,35 @@
+"""The library's messages in the words of the config a CLI user edits.
+
+The store and the sharder name their own parameters (``cache_load_factor``,
+``prefetch_depth``); a user of ``torchrec-proactive train`` sets ``cache.load_factor`` and
+``prefetch.*``. Both the launcher (``entry``) and the trainer (``train``) translate, so the
+translation lives here, below both of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ConfigError
+
+
+def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
+    """``text`` (a message of the store or the sharder) with the library's parameter names
+    replaced by the config keys a user of the CLI sets (and their values, ``with_values``)."""
+    load_factor = f"cache.load_factor (now {cfg.cache.load_factor:g})" if with_values else "cache.load_factor"
+    for library_name in ("CacheParams.load_factor", "cache_load_factor"):
+        text = text.replace(library_name, load_factor)
+    return text
+
+
+def capacity_error(cfg: Any, e: Exception) -> ConfigError:
+    """The store's capacity error in the words of the config: it knows the sharder's
+    ``cache_load_factor`` and ``prefetch_depth``; the user set ``cache.load_factor`` and
+    ``prefetch.*``."""
+    depth = {"off": "prefetch=off (depth 0)", "fixed": f"prefetch.depth={cfg.prefetch.depth}",
+             "auto": f"prefetch=auto (prefetch.max_depth={cfg.prefetch.max_depth})"}[cfg.prefetch.mode]
+    # (The message starts with the value already.)
+    detail = in_config_words(str(e), cfg, with_values=False).replace("prefetch_depth", "depth")
+    fixes = "raise cache.load_factor" + (", set cache.fit_depth=true" if not cfg.cache.fit_depth else "") + \
+        ("" if cfg.prefetch.mode == "off" else " or lower the depth")
+    return ConfigError(f"cache.load_factor={cfg.cache.load_factor:g} is too small for {depth}: {detail}; {fixes}")

@@ -1,0 +1,197 @@
+"""Workload figures that no hardware changes: rows per step and cache hits, by cache size and depth.
+
+The scaling study needs, per id looked up, how many distinct rows a rank asks for, how many
+cross the host link, how many bytes that is (write-backs of dirty victims included) and how
+far ahead of its lookup each batch could be planned. All of these depend on the data, the
+cache size and the prefetch depth only. They are counted here by replaying batches through
+the real store (:class:`~torchrec_proactive.store.TieredTable`, one per table) in the order
+the pipeline drives it at depth ``k``:
+
+1. batch ``t + k`` arrives and is planned if its rows fit beside the pins in flight
+   (batches are planned in arrival order: a batch that does not fit waits, and so do the
+   batches behind it);
+2. the lookup of batch ``t``: a batch still unplanned is planned now, on the critical path
+   (rows that do not fit in the whole cache are served from the host tier, "overflow");
+3. during batch ``t``'s output all-to-all the waiting batches are tried again;
+4. backward of ``t`` updates its rows (they become dirty) and releases its pins.
+
+The planning time per id is the one figure here that is a time (the host CPU's): it is
+reported for the study, and no test asserts it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Deque, Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..store import CacheCapacityError, OptimizerConfig, TieredTable
+
+__all__ = ["CachePoint", "replay_table", "replay", "zipf_id_stream", "criteo_id_stream"]
+
+#: The replay's row width: bytes scale with it, counts do not (reported per row).
+_REPLAY_DIM = 8
+
+
+@dataclass(frozen=True)
+class CachePoint:
+    """Counts of one (data, cache fraction, depth) replay, per id looked up unless named otherwise."""
+
+    source: str
+    cache_fraction: float
+    depth: int
+    ids_per_step: float  # ids looked up per step, all tables
+    unique_rows_per_id: float  # distinct rows asked for
+    fetched_rows_per_id: float  # rows copied host -> cache
+    fetched_rows_at_lookup_per_id: float  # of those, copied while the lookup waited
+    written_back_rows_per_id: float  # dirty victims copied cache -> host
+    overflow_rows_per_id: float  # rows served from the host tier (cache smaller than a batch)
+    hit_rate: float  # hits / distinct rows asked for
+    deferred_per_step: float  # prefetches that waited for pins
+    mean_lead: float  # how many steps ahead of its lookup a batch was planned (k when none waits)
+    plan_s_per_id: float  # host CPU seconds of planning per id (a measurement)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+class _TableReplay:
+    """One table's store driven in pipeline order (module docstring)."""
+
+    def __init__(self, num_rows: int, num_slots: int, depth: int, warmup: int) -> None:
+        self.table = TieredTable("replay", torch.zeros(num_rows, _REPLAY_DIM), OptimizerConfig(learning_rate=0.0),
+                                 num_slots=num_slots)
+        self.depth = depth
+        self.warmup = warmup  # batches before this index are not counted (the cache fills)
+        self.waiting: Deque[Tuple[int, torch.Tensor]] = deque()
+        self.planned: Dict[int, Any] = {}
+        self.totals: Dict[str, float] = dict.fromkeys(
+            ("unique_rows", "hits", "fetched", "fetched_at_lookup", "written_back", "overflow", "leads", "batches",
+             "plan_s"), 0.0)
+        self.deferred: set = set()
+
+    def _issue(self, index: int, rows: torch.Tensor, now: int, overflow: bool) -> None:
+        """Plans and moves one batch; a batch planned in its own step (lead 0) is copied on
+        the critical path: nothing runs between its plan and its lookup but the input
+        all-to-all of a later batch."""
+        t0 = time.perf_counter()
+        plan = self.table.plan(rows, overflow=overflow)
+        plan_s = time.perf_counter() - t0
+        self.table.transfer(plan)
+        self.planned[index] = plan
+        if index < self.warmup:
+            return
+        fetched = plan.num_fills - plan.num_preloaded
+        for key, value in (("unique_rows", plan.num_rows), ("hits", plan.num_hits), ("fetched", fetched),
+                           ("fetched_at_lookup", fetched if index == now else 0),
+                           ("written_back", plan.num_writebacks), ("overflow", plan.num_overflow),
+                           ("leads", index - now), ("batches", 1), ("plan_s", plan_s)):
+            self.totals[key] += value
+
+    def plan_waiting(self, now: int) -> None:
+        while self.waiting:
+            index, rows = self.waiting[0]
+            try:
+                self._issue(index, rows, now, overflow=False)
+            except CacheCapacityError:
+                if index >= self.warmup:
+                    self.deferred.add(index)  # (the pipeline counts a batch once, when it first waits)
+                return
+            self.waiting.popleft()
+
+    def lookup(self, index: int, rows: torch.Tensor) -> None:
+        if index in self.planned:
+            return
+        # Not planned ahead (depth 0, or it waited for pins until now): planned now, and
+        # rows that do not fit in the whole cache are served from the host tier.
+        if self.waiting and self.waiting[0][0] == index:
+            self.waiting.popleft()
+        self._issue(index, rows, index, overflow=True)
+
+    def backward(self, index: int) -> None:
+        plan = self.planned.pop(index)
+        self.table.apply_gradients(plan, torch.zeros(plan.rows.numel(), _REPLAY_DIM))
+
+
+def replay_table(steps: Sequence[np.ndarray], num_rows: int, cache_fraction: float, depth: int,
+                 warmup: int = 0) -> Dict[str, float]:
+    """Replays one table's per-step ids (``steps[t]``: the ids of batch ``t``); totals over
+    the steps after ``warmup``."""
+    if not 0 < cache_fraction <= 1:
+        raise ValueError(f"cache_fraction must be in (0, 1], got {cache_fraction!r}")
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0, got {depth!r}")
+    if not 0 <= warmup < len(steps):
+        raise ValueError(f"warmup must be in [0, {len(steps)}) steps, got {warmup!r}")
+    r = _TableReplay(num_rows, max(1, int(cache_fraction * num_rows)), depth, warmup)
+    batches = [torch.unique(torch.from_numpy(np.asarray(ids, dtype=np.int64))) for ids in steps]
+    for j in range(min(depth, len(batches))):  # the prologue: batches 0..k-1 arrive first
+        r.waiting.append((j, batches[j]))
+    r.plan_waiting(0)
+    for t, rows in enumerate(batches):
+        if depth > 0 and t + depth < len(batches):
+            r.waiting.append((t + depth, batches[t + depth]))
+        r.plan_waiting(t)
+        r.lookup(t, rows)
+        r.plan_waiting(t)  # in batch t's output all-to-all
+        r.backward(t)
+    return {"ids": float(sum(len(x) for x in steps[warmup:])), "steps": float(len(steps) - warmup),
+            "deferred": float(len(r.deferred)), **r.totals}
+
+
+def replay(source: str, tables: Sequence[Tuple[int, Sequence[np.ndarray]]], cache_fraction: float,
+           depth: int, warmup: int = 0) -> CachePoint:
+    """Replays every ``(num_rows, per-step ids)`` table and sums their counts into one point."""
+    total: Dict[str, float] = {}
+    for num_rows, steps in tables:
+        for k, v in replay_table(steps, num_rows, cache_fraction, depth, warmup).items():
+            total[k] = total.get(k, 0.0) + v
+    ids, num_steps = total["ids"], total["steps"] / len(tables)
+    return CachePoint(
+        source=source, cache_fraction=cache_fraction, depth=depth, ids_per_step=ids / num_steps,
+        unique_rows_per_id=total["unique_rows"] / ids, fetched_rows_per_id=total["fetched"] / ids,
+        fetched_rows_at_lookup_per_id=total["fetched_at_lookup"] / ids,
+        written_back_rows_per_id=total["written_back"] / ids, overflow_rows_per_id=total["overflow"] / ids,
+        hit_rate=total["hits"] / total["unique_rows"] if total["unique_rows"] else 1.0,
+        deferred_per_step=total["deferred"] / num_steps, mean_lead=total["leads"] / total["batches"],
+        plan_s_per_id=total["plan_s"] / ids,
+    )
+
+
+def zipf_id_stream(num_tables: int, rows_per_table: int, batch_size: int, num_steps: int, alpha: float,
+                   seed: int = 0) -> List[Tuple[int, List[np.ndarray]]]:
+    """The bench's own ids (Zipf ranks, one id per sample and table), per table and step."""
+    from ..data.criteo_synth import sample_zipf_ranks
+
+    rng = np.random.default_rng(seed)
+    return [(rows_per_table, [sample_zipf_ranks(rng, rows_per_table, alpha, batch_size) for _ in range(num_steps)])
+            for _ in range(num_tables)]
+
+
+def criteo_id_stream(work_dir: Any, batch_size: int, num_steps: int, num_tables: int = 26,
+                     max_cardinality: int = 20_000, seed: int = 0) -> List[Tuple[int, List[np.ndarray]]]:
+    """Ids of generated Criteo-format TSV (Kaggle layout) after the project's preprocessing
+    (frequency-thresholded, contiguous ids), the ``num_tables`` largest tables."""
+    from pathlib import Path
+
+    from ..data.criteo import iter_rows, preprocess
+    from ..data.criteo_synth import SyntheticCriteoSpec, generate
+
+    out = Path(work_dir)
+    spec = SyntheticCriteoSpec(layout="kaggle", num_samples=batch_size * num_steps, max_cardinality=max_cardinality,
+                               seed=seed)
+    # Every id kept (threshold 1): a few thousand generated samples see most ids only once or
+    # twice, and TorchRec's threshold of 3 would fold them into one row.
+    with warnings.catch_warnings():  # torch's datapipes warn about the preprocessing's local functions
+        warnings.filterwarnings("ignore", message="Local function is not supported by pickle", category=UserWarning)
+        pre = preprocess(generate(spec, out / "tsv", progress=False), out / "npy", progress=False,
+                         frequency_threshold=1)
+    sparse = np.concatenate([s for _, s, _ in iter_rows(pre)])
+    largest = sorted(range(len(pre.cardinalities)), key=lambda f: -pre.cardinalities[f])[:num_tables]
+    return [(int(pre.cardinalities[f]),
+             [sparse[t * batch_size:(t + 1) * batch_size, f] for t in range(num_steps)]) for f in largest]

@@ -1,0 +1,78 @@
+"""Command-line pieces shared by the bench and the scripts in ``benchmarks/``: argument types
+that reject a bad value in one line naming it and the limit, and a help formatter that gives
+every option's default. Stdlib only (``--help`` and usage errors import nothing heavy)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any, Callable, List
+
+__all__ = ["SHARDINGS", "HelpFormatter", "int_at_least", "float_above", "float_at_least", "float_in", "comma_list",
+           "checked"]
+
+#: ``planning.SHARDING_TYPES`` + ``auto`` (kept here so that ``--help`` and usage errors need
+#: no TorchRec import; tests/test_bench_cli.py checks that the two agree).
+SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "auto")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in every option's help; an option whose help already explains its default
+    (``None`` meaning "computed") is left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None and "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def checked(kind: str, test: Callable[[Any], bool], convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(s: str) -> Any:
+        try:
+            v = convert(s)
+        except ValueError:
+            v = None
+        if v is None or not test(v):
+            raise argparse.ArgumentTypeError(f"invalid value {s!r}: expected {kind}")
+        return v
+
+    parse.__name__ = kind  # argparse names the type in some messages
+    return parse
+
+
+def _finite(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(s)
+    return v
+
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    return checked(f"an integer >= {lo}", lambda v: v >= lo, int)
+
+
+def float_above(lo: float) -> Callable[[str], float]:
+    return checked(f"a number > {lo:g}", lambda v: v > lo, _finite)
+
+
+def float_at_least(lo: float) -> Callable[[str], float]:
+    return checked(f"a number >= {lo:g}", lambda v: v >= lo, _finite)
+
+
+def float_in(lo: float, hi: float) -> Callable[[str], float]:
+    return checked(f"a number in ({lo:g}, {hi:g}]", lambda v: lo < v <= hi, _finite)
+
+
+def comma_list(item: Callable[[str], Any], kind: str) -> Callable[[str], List[Any]]:
+    def parse(s: str) -> List[Any]:
+        items = s.split(",")
+        for x in items:
+            try:
+                item(x.strip())
+            except argparse.ArgumentTypeError:
+                raise argparse.ArgumentTypeError(f"invalid value {s!r}: expected comma-separated {kind} "
+                                                 f"(item {x.strip()!r})") from None
+        return [item(x.strip()) for x in items]
+
+    return parse

@@ -1,0 +1,166 @@
+"""The bench report: headline ratios from the per-configuration results, and its summary table.
+
+Every ratio in the report is the quotient of two reported rates; the counters (rows, bytes,
+hits, deferred batches, overflow rows) depend on the data, cache and depth only. Stdlib only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from .noise import add_noise, noise_verdicts, overlap
+
+__all__ = ["REQUIRED_KEYS", "COUNTER_KEYS", "VALIDATION_TOLERANCE", "summarize", "format_table"]
+
+#: How close the scaling study's step model must come to the measured steps it is validated on.
+VALIDATION_TOLERANCE = 0.10
+
+REQUIRED_KEYS = (
+    "reactive_samples_per_s", "proactive_samples_per_s", "resident_samples_per_s", "speedup_vs_reactive",
+    "fraction_of_resident", "stall_ms_reactive", "stall_ms_proactive", "link", "best_depth", "configs",
+)
+
+#: Per-configuration counters (per step, summed over ranks): what moved, not how fast. They
+#: depend on the data, the cache and the depth only, so tests can assert them exactly.
+COUNTER_KEYS = ("rows_requested_per_step", "rows_fetched_per_step", "rows_fetched_at_lookup_per_step",
+                "bytes_moved_per_step", "rows_written_back_per_step", "hit_rate", "deferred_batches_per_step",
+                "overflow_rows_per_step")
+
+
+def summarize(rank0: Dict[str, Any], world_size: int) -> Dict[str, Any]:
+    """The report: headline ratios (each the quotient of the reported rates) + per-config table."""
+    res = rank0["results"]
+    batch = rank0.get("settings", {}).get("workload", {}).get("batch_size")
+    for c in res.values():
+        if "error" not in c and batch:
+            add_noise(c, world_size * batch)
+    proactive = {k: v for k, v in res.items() if k.startswith("depth_") and "error" not in v}
+    best_name = max(proactive, key=lambda k: proactive[k]["samples_per_s"]) if proactive else None
+    reactive, resident = res["reactive"], res["resident"]
+    best = proactive.get(best_name) if best_name else None
+    report: Dict[str, Any] = {
+        "world_size": world_size,
+        "backend": "gloo",
+        "resident_samples_per_s": resident["samples_per_s"],
+        "reactive_samples_per_s": reactive["samples_per_s"],
+        "proactive_samples_per_s": best["samples_per_s"] if best else None,
+        "best_depth": best["prefetch_depth"] if best else None,
+        "speedup_vs_reactive": best["samples_per_s"] / reactive["samples_per_s"] if best else None,
+        "fraction_of_resident": best["samples_per_s"] / resident["samples_per_s"] if best else None,
+        "stall_ms_reactive": reactive["stall_ms_per_step"],
+        "stall_ms_proactive": best["stall_ms_per_step"] if best else None,
+        "stall_reduction": (1.0 - best["stall_ms_per_step"] / reactive["stall_ms_per_step"])
+        if best and reactive["stall_ms_per_step"] > 0 else None,
+        "reactive_stall_share_of_step": reactive["stall_ms_per_step"] / reactive["step_ms_median"],
+        "link": rank0["link"],
+        "comm_s": rank0["comm"],
+        "configs": list(res.values()),
+    }
+    for name, key in (("resident", "resident_samples_per_s_interval"), ("reactive", "reactive_samples_per_s_interval")):
+        if "samples_per_s_interval" in res[name]:
+            report[key] = res[name]["samples_per_s_interval"]
+    if best and "samples_per_s_interval" in best:
+        report["proactive_samples_per_s_interval"] = best["samples_per_s_interval"]
+        if "samples_per_s_interval" in reactive and "samples_per_s_interval" in resident:
+            report["noise"] = noise_verdicts(reactive, resident, best, list(proactive.values()))
+    if "auto" in res:
+        report["auto_depth"] = res["auto"].get("chosen_depth")
+        report["auto_samples_per_s"] = res["auto"]["samples_per_s"]
+    if "cache100" in res:
+        report["cache100_overhead_vs_resident"] = resident["samples_per_s"] / res["cache100"]["samples_per_s"]
+        if "samples_per_s_interval" in res["cache100"] and "samples_per_s_interval" in resident:
+            report["cache100_within_noise_of_resident"] = overlap(res["cache100"], resident)
+    return report
+
+
+def _workload_lines(report: Dict[str, Any]) -> List[str]:
+    """What was measured (the table's figures mean little without it) and, for a single
+    round, that its verdicts rest on one round's step times only."""
+    settings = report.get("settings")
+    if not settings:
+        return []
+    w = settings["workload"]
+    lines = [
+        f"workload: {w['num_tables']} tables x {w['rows_per_table']} rows x {w['embedding_dim']}, batch "
+        f"{w['batch_size']} per rank, {report['world_size']} {report['backend']} rank(s), "
+        f"cache load factor {settings['cache_load_factor']:g}; {settings['measure_steps']} timed steps x {settings['rounds']} "
+        f"round(s) per configuration"
+    ]
+    if settings["rounds"] < 2:
+        lines.append("one round: a smoke test, not a measurement - the intervals below come from that round's "
+                     "step times alone (run without --quick, 3 rounds, for ratios to quote)")
+    return lines
+
+
+def _noise_word(within: bool) -> str:
+    return "within noise" if within else "beyond noise"
+
+
+def format_table(report: Dict[str, Any]) -> str:
+    link = report["link"]
+    lines = _workload_lines(report) + [
+        f"link: {link['kind']} (modelled copy engine) {link['bandwidth_gbps']:.4g} GB/s, "
+        f"{link['latency_us']:.0f} us latency"
+        + (f" - calibrated so a cold fetch costs {link['target_fetch_fraction']:.0%} of a resident step"
+           if link.get("calibrated") else ""),
+        f"{'config':<16}{'depth':>6}{'samples/s':>11}{'±%':>6}{'rounds':>7}{'step ms':>9}{'p90 ms':>8}{'stall ms':>9}"
+        f"{'plan ms':>8}{'cpu ms':>7}{'rows/step':>10}{'@lookup':>8}{'MB/step':>8}{'hit':>6}{'deferred':>9}"
+        f"{'overflow':>9}",
+    ]
+    for c in report["configs"]:
+        if "error" in c:
+            lines.append(f"{c['name']:<16}{c['prefetch_depth']!s:>6}  error: {c['error'][:80]}")
+            continue
+        hit = "-" if c.get("hit_rate") is None else f"{c['hit_rate']:.2f}"
+        depth = "-" if c.get("prefetch_depth") is None else c["prefetch_depth"]
+        noise = "-" if c.get("noise_pct") is None else f"{c['noise_pct']:.1f}"
+        lines.append(
+            f"{c['name']:<16}{depth!s:>6}{c['samples_per_s']:>11.0f}{noise:>6}{c.get('rounds', 1):>7}"
+            f"{c['step_ms_median']:>9.1f}{c['step_ms_p90']:>8.1f}"
+            f"{c['stall_ms_per_step']:>9.2f}{c.get('plan_ms_per_step', 0.0):>8.2f}"
+            f"{c.get('plan_cpu_ms_per_step', 0.0):>7.2f}{c['rows_fetched_per_step']:>10.0f}"
+            f"{c.get('rows_fetched_at_lookup_per_step', 0.0):>8.0f}"
+            f"{c['bytes_moved_per_step'] / 1e6:>8.2f}{hit:>6}"
+            f"{c.get('deferred_batches_per_step', 0.0):>9.2f}{c.get('overflow_rows_per_step', 0.0):>9.0f}"
+        )
+    noise = report.get("noise")
+    if report.get("speedup_vs_reactive") is not None:
+        speed = f"proactive (depth {report['best_depth']}) / reactive = {report['speedup_vs_reactive']:.2f}x"
+        frac = f"proactive / all-resident = {report['fraction_of_resident']:.2f}"
+        if noise:
+            s, f = noise["speedup_vs_reactive"], noise["fraction_of_resident"]
+            speed += f" [{s['interval'][0]:.2f}-{s['interval'][1]:.2f}], {s['verdict']}"
+            frac += f" [{f['interval'][0]:.2f}-{f['interval'][1]:.2f}], {f['verdict']}"
+        elif report["fraction_of_resident"] > 1:
+            frac += " (above its upper bound: noise, not a win)"
+        lines.append(f"{speed}; stall {report['stall_ms_reactive']:.1f} -> {report['stall_ms_proactive']:.1f} ms/step")
+        lines.append(frac)
+        if noise and noise["depths_within_noise_of_best"]:
+            tied = noise["depths_within_noise_of_best"]
+            which = f"depth {tied[0]} is" if len(tied) == 1 else f"depths {', '.join(str(d) for d in tied)} are"
+            lines.append(f"depth {report['best_depth']} is the fastest, but {which} within noise of it")
+    if "cache100_overhead_vs_resident" in report:
+        line = f"100%-cache step time / stock resident = {report['cache100_overhead_vs_resident']:.2f}x"
+        if "cache100_within_noise_of_resident" in report:
+            line += f", {_noise_word(report['cache100_within_noise_of_resident'])}"
+        lines.append(line)
+    scaling = report.get("scaling")
+    if scaling and scaling.get("validation_max_abs_error") is not None:
+        worst = scaling["validation_max_abs_error"]
+        ranks = sorted({v["ranks"] for v in scaling["validation"]})
+        line = (f"scaling study: the step model reproduces these runs ({len(scaling['validation'])} configurations "
+                f"at {'/'.join(map(str, ranks))} rank(s)) within {100 * worst:.1f}%")
+        if worst > VALIDATION_TOLERANCE:
+            line += (f" - over {100 * VALIDATION_TOLERANCE:.0f}%: the runs are too short or the machine too busy to "
+                     f"validate it (their medians move more than the model's error); rerun without --quick on an "
+                     f"idle machine before reading the projection")
+        lines.append(line)
+    if "auto_depth" in report:
+        lines.append(f"auto chose depth {report['auto_depth']}")
+    if noise:
+        lines.append(f"±%: half-width of each rate's interval; {noise['method']}")
+    lines.append("plan ms / cpu ms: planning per step, wall time and the planning thread's CPU time (planning "
+                 "overlaps the output all-to-all); deferred: prefetches per step that waited for pins; "
+                 "overflow: rows per step served from the host tier (cache smaller than one batch); "
+                 "@lookup: rows per step copied while the lookup waited (the critical path)")
+    return "\n".join(lines)
