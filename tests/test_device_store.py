@@ -219,3 +219,27 @@ def test_a_host_tier_loaded_mid_flight_is_what_the_cache_serves_next(table_type)
     slots = planned.plan.slots[: 3] if isinstance(table, DeviceTieredTable) else planned.plan.slots
     assert bool((table.cache_state["momentum1"][slots] == 3.0).all())
     table.check_invariants(expect_drained=True)
+
+
+def test_the_kernel_maps_ids_to_store_rows_on_the_device_without_host_reads():
+    """The TorchRec kernel's one step before planning (ids -> the group's row space) on the
+    device: equal to the host mapping on CPU, and free of host reads on fake CUDA tensors."""
+    import numpy as np
+
+    from torchrec_proactive.integration.embedding_kernel import device_store_rows, store_rows
+
+    g = torch.Generator().manual_seed(0)
+    feature_start = np.array([0, 100, 100, 250], dtype=np.int64)  # a table read by two features
+    stride = 6
+    lengths = torch.randint(0, 4, (4 * stride,), generator=g)
+    lengths[:stride] = 0  # an empty feature
+    values = torch.randint(0, 100, (int(lengths.sum()),), generator=g, dtype=torch.int32)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    per_feature = [int(n) for n in lengths.view(4, stride).sum(1)]
+    expected = store_rows(values.numpy(), feature_start, stride, per_feature, blocks=False, sample_major=False)
+    got = device_store_rows(values, offsets, stride, feature_start, torch.from_numpy(feature_start))
+    assert torch.equal(got, torch.from_numpy(expected))
+    with fake_cuda():
+        rows = device_store_rows(torch.randint(0, 100, (60,), device="cuda"), torch.arange(0, 61, 2.5, device="cuda").long(),
+                                 stride, feature_start, torch.zeros(4, dtype=torch.int64, device="cuda"))
+        assert rows.device.type == "cuda" and rows.shape == (60,)

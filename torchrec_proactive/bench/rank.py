@@ -93,37 +93,11 @@ class Measurement:
     deltas: Dict[str, float]
 
 
-class LookupFetchCounter:
-    """Counts the rows a proactive module copies at lookup time, on the critical path.
-
-    At depth 0 every fetch is such a copy; at depth >= 1 only the fetch of a batch whose
-    prefetch could not be planned before its lookup is (rows that did not fit beside the pins
-    in flight). A count of moved rows, not a time, so tests can assert it.
-    (Wraps the module's lookup-time fetch; the pipeline's stats have no such key.)
-    """
-
-    def __init__(self, modules: List[Any]) -> None:
-        self.rows = 0
-        for module in modules:
-            fetch_at_lookup = module._fetch_at_lookup
-
-            def counted(ctx: Any, input: Any, _inner: Any = fetch_at_lookup) -> Any:
-                fetch = _inner(ctx, input)
-                if fetch is not None:
-                    self.rows += fetch.ticket.num_rows
-                return fetch
-
-            module._fetch_at_lookup = counted
-
-
-def _train(pipeline: Any, batches: List[Any], warmup: int, counter: Optional[LookupFetchCounter] = None) -> Measurement:
+def _train(pipeline: Any, batches: List[Any], warmup: int) -> Measurement:
     it = iter(batches)
     times: List[float] = []
-    if hasattr(pipeline, "prefetch_depth"):
-        def stats() -> Dict[str, float]:
-            return {**pipeline.stats(), "rows_fetched_at_lookup": counter.rows if counter else 0}
-    else:
-        stats = lambda: {}  # noqa: E731
+    # (rows_fetched_at_lookup: rows copied while their lookup waited, on the critical path)
+    stats = pipeline.stats if hasattr(pipeline, "prefetch_depth") else (lambda: {})
     start: Dict[str, float] = {}
     step = 0
     while True:
@@ -241,7 +215,7 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
             pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=depth,
                                           trace=settings.trace and name not in traces)
         ebc = dmp.module.model.sparse_arch.embedding_bag_collection
-        m = _train(pipe, batches, settings.warmup_steps, LookupFetchCounter([ebc]) if depth is not None else None)
+        m = _train(pipe, batches, settings.warmup_steps)
         if depth is not None:
             ebc.check_invariants(expect_drained=True)
             stores = list(ebc.named_tables().values())

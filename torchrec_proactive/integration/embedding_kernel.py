@@ -400,16 +400,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         the first row of its feature's table, the feature found from the KJT's offsets (one
         ``searchsorted``, no host read). Unique rows are left to the device planner."""
         values, offsets, stride = features.values(), features.offsets(), features.stride()
-        rows = values.to(torch.int64)
-        if self._num_features > 1 and bool(self._feature_start.any()):
-            # offsets[f * stride] is where feature f's ids start.
-            starts = offsets.index_select(
-                0, torch.arange(stride, self._num_features * stride, stride, device=offsets.device))
-            position = torch.arange(rows.shape[0], device=rows.device, dtype=starts.dtype)
-            feature = torch.searchsorted(starts, position, right=True)
-            rows = rows + self._feature_start_device.index_select(0, feature)
-        elif self._num_features == 1 and self._feature_start[0]:
-            rows = rows + int(self._feature_start[0])
+        rows = device_store_rows(values, offsets, stride, self._feature_start, self._feature_start_device)
         return PreparedBatch(rows, None, offsets, False, stride, int(values.shape[0]),  # type: ignore[arg-type]
                              features.weights_or_none(), False)
 
@@ -425,13 +416,21 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                                      overflow=overflow, one_per_bag=p.one_per_bag)
         if batch.plan.num_overflow and not self._warned_overflow:
             self._warned_overflow = True
+            plan, store = batch.plan, self.store
+            held = store.pinned_slots() - (plan.num_rows - plan.num_overflow)  # (this batch's own excluded)
+            if plan.num_rows > store.num_slots:
+                why = (f"one batch needs {plan.num_rows} distinct rows but the device cache has {store.num_slots} "
+                       f"slots")
+            else:
+                why = (f"a batch needs {plan.num_rows} distinct rows and the device cache has {store.num_slots} "
+                       f"slots, but {held} of them were held by batches still in flight (prefetched by another "
+                       f"pipeline, or looked up by forwards whose backward has not come yet)")
             warnings.warn(
-                f"tables {self.table_names()}: one batch needs {batch.plan.num_rows} distinct rows but the device "
-                f"cache has {self.store.num_slots} slots; {batch.plan.num_overflow} rows were served from the host "
+                f"tables {self.table_names()}: {why}; {plan.num_overflow} rows were served from the host "
                 f"tier (exact, but on the critical path; said once per table group). A cache of at least "
-                f"{batch.plan.num_rows} slots ({load_factor_advice(batch.plan.num_rows, self.store.num_rows)}) "
-                f"serves this batch; batches with more distinct rows and prefetching need "
-                f"more.",
+                f"{plan.num_rows + max(held, 0)} slots "
+                f"({load_factor_advice(plan.num_rows + max(held, 0), store.num_rows)}) serves this batch beside "
+                f"them; batches with more distinct rows and prefetching need more.",
                 stacklevel=2,
             )
         return PlannedGroup(self, batch, p.stride, p.num_values, p.weights, p.sample_major)
@@ -567,6 +566,24 @@ def _group_host_tier(config: GroupedEmbeddingConfig, buffer: torch.Tensor, views
         expected += v.numel()
     total = sum(int(v.shape[0]) for v in views)
     return buffer[start: start + total * dim].view(total, dim)
+
+
+def device_store_rows(values: torch.Tensor, offsets: torch.Tensor, stride: int, feature_start: np.ndarray,
+                      feature_start_device: torch.Tensor) -> torch.Tensor:
+    """``store_rows`` on the ids' own device with no host read: the feature of each id comes
+    from the KJT's offsets (``offsets[f * stride]`` is where feature f's ids start: one
+    ``searchsorted``), not from its lengths per key. ``feature_start`` is the host copy of
+    ``feature_start_device``, read only for its (host-known) values."""
+    rows = values.to(torch.int64)
+    num_features = feature_start.shape[0]
+    if num_features > 1 and bool(feature_start.any()):
+        starts = offsets.index_select(0, torch.arange(stride, num_features * stride, stride, device=offsets.device))
+        position = torch.arange(rows.shape[0], device=rows.device, dtype=starts.dtype)
+        feature = torch.searchsorted(starts, position, right=True)
+        rows = rows + feature_start_device.index_select(0, feature)
+    elif num_features == 1 and feature_start[0]:
+        rows = rows + int(feature_start[0])
+    return rows
 
 
 def store_rows(ids: np.ndarray, feature_start: np.ndarray, stride: int, per_feature: List[int],

@@ -418,7 +418,10 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         module with proactive shards on this rank; plain forwards count in every key),
         ``stall_s`` (seconds lookups waited for their rows), ``rows_requested`` (distinct rows
         per batch, summed), ``hits``, ``hit_rate`` (``hits / rows_requested``; preloaded rows
-        count as hits), ``rows_fetched`` (host -> cache), ``rows_written_back``, ``bytes_moved``
+        count as hits), ``rows_fetched`` (host -> cache), ``rows_fetched_at_lookup`` (of those,
+        rows copied while their lookup waited, on the critical path: every miss at depth 0,
+        only batches that could not be prefetched at depth >= 1 - the first one, and any that
+        waited for pins until their lookup), ``rows_written_back``, ``bytes_moved``
         (fetches and write-backs, optimizer state included; host-tier reads of overflow rows
         are not moves), ``deferred_batches`` (prefetches that waited for pins, per module),
         ``overflow_rows`` (rows served from the host tier), ``plan_s`` / ``plan_cpu_s``

@@ -39,7 +39,7 @@ from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine, FetchFailedError, Ticket, make_transport
-from ..store import CacheCapacityError, NotPrefetchedError, StoreStateError
+from ..store import CacheCapacityError, DeviceTieredTable, NotPrefetchedError, StoreStateError
 from .embedding_kernel import PlannedGroup, PreparedBatch, ProactiveEmbeddingBag
 from .validation import InputValidator
 from .options import ProactiveOptions
@@ -578,6 +578,12 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     @property
     def proactive_kernels(self) -> List[ProactiveEmbeddingBag]:
         return list(self._proactive_kernels)
+
+    def planners(self) -> Dict[str, str]:
+        """Where each of this rank's proactive table groups plans its batches:
+        ``{"t0+t1": "device" | "host"}`` (see the sharder's ``planner`` option)."""
+        return {kernel.store.name: ("device" if isinstance(kernel.store, DeviceTieredTable) else "host")
+                for kernel in self._proactive_kernels}
 
     def set_prefetch_depth(self, depth: int) -> None:
         """Depth ``k`` of the pipeline driving this module (0 = reactive)."""

@@ -281,6 +281,13 @@ class DeviceTieredTable(TieredTable):
             self.host_syncs += 1
         return plan
 
+    def pinned_slots(self) -> int:
+        """Slots pinned now (a host read of the device: for messages on the overflow path,
+        which reads the device anyway)."""
+        if self.holds_every_row:
+            return 0
+        return int((self.d_pins.narrow(0, 0, self.num_slots) > 0).sum())
+
     def _check_owner(self) -> None:
         """One stream owns the cache and its bookkeeping: the one current at the first plan.
         Planning, lookups and updates on another stream would race with it (its kernels are

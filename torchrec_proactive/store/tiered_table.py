@@ -611,6 +611,10 @@ class TieredTable:
             self.release(plan)
         return n
 
+    def pinned_slots(self) -> int:
+        """Slots pinned now by batches in flight (for messages)."""
+        return int(np.count_nonzero(self._pins)) if not self.holds_every_row else 0
+
     @property
     def in_flight(self) -> int:
         """Plans made and not yet released (orphans released first)."""
