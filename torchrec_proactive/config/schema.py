@@ -176,7 +176,9 @@ class PrefetchConfig:
     """``off``: reactive, rows fetched inside the lookup (TorchRec's behaviour, depth 0);
     ``fixed``: fetch ``depth`` batches ahead; ``auto``: measure, then pick the depth."""
     depth: int = 2
-    """``fixed``: the depth k (>= 1). Must be 0 with ``off``; ignored by ``auto``."""
+    """``fixed``: the depth k (>= 0; 0 is reactive, as ``off``, so a sweep such as
+    ``-m prefetch.depth=0,2,4`` needs no group change). Must be 0 with ``off``; ignored by
+    ``auto``."""
     max_depth: int = 4
     """``auto``: largest depth it may choose (the cache must hold depth + 1 batches)."""
     warmup_steps: int = 8
@@ -187,8 +189,8 @@ class PrefetchConfig:
         _choice("prefetch.mode", self.mode, PREFETCH_MODES)
         if self.mode == "off" and self.depth != 0:
             _fail("prefetch.depth", self.depth, "must be 0 with prefetch.mode='off' (use prefetch=fixed for k >= 1)")
-        if self.mode == "fixed" and self.depth < 1:
-            _fail("prefetch.depth", self.depth, "must be >= 1 with prefetch.mode='fixed' (use prefetch=off for 0)")
+        if self.mode == "fixed" and self.depth < 0:
+            _fail("prefetch.depth", self.depth, "must be >= 0 with prefetch.mode='fixed' (0 is reactive)")
         _at_least("prefetch.max_depth", self.max_depth, 1)
         _at_least("prefetch.warmup_steps", self.warmup_steps, 3)
 
@@ -335,9 +337,10 @@ class Config:
                 and self.train.max_steps < self.prefetch.warmup_steps:
             _fail("prefetch.warmup_steps", self.prefetch.warmup_steps,
                   f"must be <= train.max_steps={self.train.max_steps} with prefetch.mode='auto'")
-        if self.sharding.kernel == "fused" and self.prefetch.mode != "off":
+        if self.sharding.kernel == "fused" and self.prefetch.capacity_depth != 0:
             _fail("prefetch.mode", self.prefetch.mode,
-                  "must be 'off' with sharding.kernel='fused' (stock tables have nothing to prefetch)")
+                  "must be 'off' (or 'fixed' with depth 0) with sharding.kernel='fused' (stock tables have "
+                  "nothing to prefetch)")
 
 
 GROUPS = {
