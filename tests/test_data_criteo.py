@@ -222,7 +222,7 @@ def test_preprocess_ignores_test_in_path_and_rejects_bad_labels(tmp_path: Path) 
 
     bad = tmp_path / "bad.tsv"
     bad.write_text("2" + "\t1" * 13 + "\tabcdef01" * 26 + "\n")
-    with pytest.raises(ValueError, match="labels outside"):
+    with pytest.raises(ValueError, match=r"bad\.tsv, line 1: label='2' must be 0 or 1"):
         preprocess([bad], tmp_path / "bad_out", progress=False)
     with pytest.raises(ValueError, match="tsv_files is empty"):
         preprocess([], tmp_path / "none", progress=False)

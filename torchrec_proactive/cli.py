@@ -205,6 +205,10 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
             print(f"preprocessed into {pre.out_dir}: {pre.total_samples} rows, cardinalities {list(pre.cardinalities)}")
     except OSError as e:
         raise UserError(f"--out-dir={args.out_dir!r} cannot be written: {e.strerror or e} ({e.filename})") from e
+    except ValueError as e:
+        if getattr(e, "user_error", False):  # a malformed file: file, line, field, value
+            raise UserError(str(e)) from e
+        raise
     print(f"train on it with: {PROG} train data=synthetic data.root={args.out_dir}")
     return 0
 

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from ..config.schema import DataConfig
 from ..data import SyntheticCriteoSpec, generate, read_generated
-from ..data.criteo import PreprocessedCriteo, make_dataloaders, preprocess
+from ..data.criteo import CriteoFormatError, PreprocessedCriteo, make_dataloaders, preprocess, split_rows
 from ..data.criteo_synth import spec_json
-from .errors import PeerFailure, UserError
+from .errors import ConfigError, PeerFailure, UserError
 
 
 def synthetic_spec(cfg: DataConfig) -> SyntheticCriteoSpec:
@@ -54,6 +54,7 @@ def _synthetic_files(cfg: DataConfig, log: logging.Logger, progress: bool) -> Li
     raw = dataset_dir(cfg) / "raw"
     found = read_generated(raw)
     if found is not None and spec_json(found[0]) == spec_json(spec):
+        log.info("data: reusing the synthetic data set generated earlier for this spec in %s", raw)
         return found[1]
     log.info("generating synthetic Criteo data (%d rows, %s layout) in %s", spec.num_samples, spec.layout, raw)
     return generate(spec, raw, progress=progress)
@@ -78,7 +79,9 @@ def _prepare_here(cfg: DataConfig, log: logging.Logger, progress: bool) -> Prepr
     try:
         tsv = _synthetic_files(cfg, log, progress) if cfg.source == "synthetic" else _criteo_files(cfg)
         out = Path(cfg.preprocessed_dir) if cfg.preprocessed_dir else dataset_dir(cfg) / "preprocessed"
-        return preprocess(tsv, out, progress=progress, frequency_threshold=cfg.frequency_threshold)
+        return preprocess(tsv, out, progress=progress, frequency_threshold=cfg.frequency_threshold, log=log)
+    except CriteoFormatError as e:  # file, line, field and value: the user's to fix
+        raise UserError(str(e)) from e
     except OSError as e:
         # A directory that cannot be created or written (a file in the way, no permission,
         # a read-only mount) is the user's to fix: name the keys that choose the paths.
@@ -124,7 +127,24 @@ class Loaders:
         return len(self.train)
 
 
+def check_split(num_samples: List[int], cfg: DataConfig, batch_size: int, world_size: int) -> None:
+    """Raises :class:`ConfigError` naming the config keys when the training or evaluation
+    split would give some rank no batch (fewer rows than ``batch_size * world_size``)."""
+    train, evaluation = split_rows(num_samples, cfg.eval_fraction)
+    total = sum(num_samples)
+    need = batch_size * world_size
+    for split, parts in (("training", train), ("evaluation", evaluation)):
+        rows = sum(p.stop - p.start for p in parts)
+        if rows < need:
+            fix = ("raise data.eval_fraction" if split == "evaluation" else "lower data.eval_fraction")
+            raise ConfigError(
+                f"data.eval_fraction={cfg.eval_fraction:g} leaves {rows} {split} rows of {total}, fewer than "
+                f"train.batch_size={batch_size} x {world_size} rank(s) = {need}: {fix}, lower train.batch_size "
+                f"or use more data (data.num_samples for synthetic data)")
+
+
 def loaders(pre: PreprocessedCriteo, cfg: DataConfig, batch_size: int) -> Loaders:
+    check_split(list(pre.num_samples), cfg, batch_size, dist.get_world_size())
     train, evaluation = make_dataloaders(
         pre, batch_size, dist.get_rank(), dist.get_world_size(), eval_fraction=cfg.eval_fraction,
         shuffle_batches=cfg.shuffle_batches,

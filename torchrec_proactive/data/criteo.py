@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -56,6 +57,7 @@ from torchrec.datasets.criteo import (
 from tqdm import tqdm
 
 PathLike = Union[str, Path]
+_LOG = logging.getLogger(__name__)
 
 _MANIFEST = "manifest.json"
 _MANIFEST_VERSION = 1
@@ -63,6 +65,64 @@ _MANIFEST_VERSION = 1
 _CONTIG_SUFFIX = "_contig_freq.npy"
 _SPLIT_DIR = "splits"
 _KINDS = ("dense", "sparse", "labels")
+
+
+class CriteoFormatError(ValueError):
+    """A Criteo TSV file that is not in Criteo's format; the message is one line naming the
+    file, the line number, the field and the value. ``user_error``: the CLI prints it as
+    one line with exit code 2 (see ``torchrec_proactive.app.errors``)."""
+
+    user_error = True
+
+
+# Criteo's column names (the TSV has no header): the label, I1..I13, C1..C26.
+FIELD_NAMES = ("label", *(f"I{i}" for i in range(1, INT_FEATURE_COUNT + 1)),
+               *(f"C{i}" for i in range(1, CAT_FEATURE_COUNT + 1)))
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _bad_field(fields: Sequence[str]) -> Optional[Tuple[str, str, str]]:
+    """``(field, value, what is wrong)`` for the first field of one TSV row that TorchRec's
+    parser cannot take (``tsv_to_npys``: integer label and counts, int32 counts, hex ids;
+    empty counts and ids are missing values), else ``None``."""
+    if len(fields) != len(FIELD_NAMES):
+        shown = "\t".join(fields)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return ("row", shown, f"has {len(fields)} tab-separated fields, Criteo rows have {len(FIELD_NAMES)} "
+                "(label, 13 integers, 26 hex ids)")
+    label = fields[0]
+    if label not in ("0", "1"):
+        return ("label", label, "must be 0 or 1 (only labeled Criteo files are supported)")
+    for name, value in zip(FIELD_NAMES[1:1 + INT_FEATURE_COUNT], fields[1:1 + INT_FEATURE_COUNT]):
+        if value == "":
+            continue
+        try:
+            number = int(value)
+        except ValueError:
+            return (name, value, "is not an integer")
+        if not _INT32[0] <= number <= _INT32[1]:
+            return (name, value, f"is outside int32 [{_INT32[0]}, {_INT32[1]}]")
+    for name, value in zip(FIELD_NAMES[1 + INT_FEATURE_COUNT:], fields[1 + INT_FEATURE_COUNT:]):
+        if value == "":
+            continue
+        try:
+            int(value, 16)
+        except ValueError:
+            return (name, value, "is not a hexadecimal id")
+    return None
+
+
+def find_format_error(tsv: PathLike) -> Optional[str]:
+    """The one-line description of the first malformed row of ``tsv`` (file, line number,
+    field, value), or ``None`` if every row parses. Reads the file once, in text."""
+    with open(tsv, "r", newline="") as fh:
+        for number, line in enumerate(fh, start=1):
+            bad = _bad_field(line.rstrip("\r\n").split("\t"))
+            if bad is not None:
+                field, value, why = bad
+                return f"{tsv}, line {number}: {field}={value!r} {why}" if field != "row" else \
+                    f"{tsv}, line {number}: the row {why}: {value!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -164,16 +224,22 @@ def _tsv_to_npys(tsv: Path, files: Dict[str, Path]) -> int:
     """Runs TorchRec's parser on one labeled TSV, then converts labels to float32 (what
     losses expect, so batches need no conversion). Returns the row count."""
     if tsv.stat().st_size == 0:
-        raise ValueError(f"{tsv} is empty; a Criteo file needs at least one row")
+        raise CriteoFormatError(f"{tsv} is empty: a Criteo file needs at least one row")
     # "criteo_1tb" rather than "criteo_kaggle": same parsing of labeled rows, and it
     # disables the '"test" in path' switch to unlabeled parsing (see module docstring).
-    BinaryCriteoUtils.tsv_to_npys(
-        str(tsv),
-        str(files["dense"]),
-        str(files["raw_sparse"]),
-        str(files["labels"]),
-        dataset_name="criteo_1tb",
-    )
+    try:
+        BinaryCriteoUtils.tsv_to_npys(
+            str(tsv),
+            str(files["dense"]),
+            str(files["raw_sparse"]),
+            str(files["labels"]),
+            dataset_name="criteo_1tb",
+        )
+    except Exception as e:  # TorchRec's datapipes report a malformed row without file or line
+        found = find_format_error(tsv)
+        if found is None:
+            raise
+        raise CriteoFormatError(found) from e
     labels = np.load(files["labels"])
     dense_shape = BinaryCriteoUtils.get_shape_from_npy(str(files["dense"]))
     sparse_shape = BinaryCriteoUtils.get_shape_from_npy(str(files["raw_sparse"]))
@@ -183,11 +249,10 @@ def _tsv_to_npys(tsv: Path, files: Dict[str, Path]) -> int:
             f"{tsv}: unexpected shapes dense={dense_shape} sparse={sparse_shape} for {rows} rows"
         )
     bad = ~np.isin(labels, (0, 1))
-    if bad.any():
-        raise ValueError(
+    if bad.any():  # TorchRec's parser takes any integer label
+        raise CriteoFormatError(find_format_error(tsv) or (
             f"{tsv}: {int(bad.sum())} labels outside {{0, 1}} (first {int(labels[bad][0])}); "
-            "only labeled Criteo files (label + 13 ints + 26 hashes per line) are supported"
-        )
+            "only labeled Criteo files (label + 13 ints + 26 hashes per line) are supported"))
     _save_atomic(files["labels"], labels.astype(np.float32).reshape(-1, 1))
     return rows
 
@@ -198,6 +263,7 @@ def preprocess(
     progress: bool = True,
     *,
     frequency_threshold: int = FREQUENCY_THRESHOLD,
+    log: Optional[logging.Logger] = None,
 ) -> PreprocessedCriteo:
     """Converts labeled Criteo TSV files to binary npy files with contiguous ids.
 
@@ -207,9 +273,12 @@ def preprocess(
     Ids seen fewer than ``frequency_threshold`` times in total map to 1.
 
     Work is skipped when ``out_dir`` holds a manifest for the same inputs (paths and sizes)
-    and threshold and every output is at least as new as every input. Not safe to run
-    concurrently on one ``out_dir``: run it on one rank and barrier.
+    and threshold and every output is at least as new as every input; ``log`` says which.
+    A malformed file raises :class:`CriteoFormatError` (file, line, field, value) and
+    leaves no output of this call behind. Not safe to run concurrently on one ``out_dir``:
+    run it on one rank and barrier.
     """
+    log = log or _LOG
     inputs = [Path(p).resolve() for p in tsv_files]
     if not inputs:
         raise ValueError("tsv_files is empty: need at least one Criteo TSV file")
@@ -219,15 +288,42 @@ def preprocess(
     if frequency_threshold < 0:
         raise ValueError(f"frequency_threshold={frequency_threshold} is invalid: must be >= 0")
     out = Path(out_dir).resolve()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     tags = [_file_tag(i, p) for i, p in enumerate(inputs)]
 
     cached = _load_if_fresh(out, inputs, tags, frequency_threshold)
     if cached is not None:
+        log.info("preprocessing: reusing %s (%d rows; its manifest matches the %d input file(s) and "
+                 "frequency_threshold=%d)", out, cached.total_samples, len(inputs), frequency_threshold)
         return cached
     (out / _MANIFEST).unlink(missing_ok=True)  # the manifest marks completion: drop it first
+    log.info("preprocessing %d Criteo TSV file(s) (%s) into %s: TorchRec's tsv_to_npys, then "
+             "sparse_to_contiguous with frequency_threshold=%d", len(inputs), _names(inputs), out,
+             frequency_threshold)
 
     outputs = [_outputs_for(out, t) for t in tags]
+    try:
+        result = _convert(inputs, outputs, out, tags, progress, frequency_threshold)
+    except BaseException:
+        # nothing half-written: this call's outputs go (the inputs are never touched)
+        for files in outputs:
+            for path in files.values():
+                path.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    log.info("preprocessing done: %d rows, %d tables (largest %d rows) in %s", result.total_samples,
+             len(result.cardinalities), max(result.cardinalities), out)
+    return result
+
+
+def _names(paths: Sequence[Path]) -> str:
+    return ", ".join(p.name for p in paths[:3]) + (f" .. {paths[-1].name}" if len(paths) > 3 else "")
+
+
+def _convert(inputs: Sequence[Path], outputs: Sequence[Dict[str, Path]], out: Path, tags: Sequence[str],
+             progress: bool, frequency_threshold: int) -> PreprocessedCriteo:
     num_samples = [
         _tsv_to_npys(tsv, files)
         for tsv, files in tqdm(
