@@ -239,6 +239,9 @@ class OptimizerConfig:
     """Learning rate of the dense optimizer."""
     dense_eps: float = 1e-8
     """Epsilon of the adaptive dense optimizers."""
+    warmup_steps: int = 0
+    """Linear warm-up of the dense learning rate: step ``s`` uses ``dense_lr * min(1, s /
+    warmup_steps)`` (TorchRec's reference DLRM trainer: ``--lr_warmup_steps``); 0: none."""
 
     def __post_init__(self) -> None:
         _choice("optimizer.embedding", self.embedding, EMBEDDING_OPTIMIZERS)
@@ -247,6 +250,7 @@ class OptimizerConfig:
         _positive("optimizer.embedding_eps", self.embedding_eps)
         _positive("optimizer.dense_lr", self.dense_lr)
         _positive("optimizer.dense_eps", self.dense_eps)
+        _at_least("optimizer.warmup_steps", self.warmup_steps, 0)
 
 
 @dataclass(kw_only=True)
