@@ -11,7 +11,15 @@ import torch.distributed as dist
 
 from ..config.schema import DataConfig
 from ..data import SyntheticCriteoSpec, generate, read_generated
-from ..data.criteo import CriteoFormatError, PreprocessedCriteo, make_dataloaders, preprocess, split_rows
+from ..data.criteo import (
+    CriteoFormatError,
+    PreprocessedCriteo,
+    make_dataloaders,
+    open_torchrec_binary,
+    preprocess,
+    split_rows,
+    torchrec_file_names,
+)
 from ..data.criteo_synth import spec_json
 from .errors import ConfigError, PeerFailure, UserError
 
@@ -69,14 +77,35 @@ def _criteo_files(cfg: DataConfig) -> List[Path]:
         raise UserError(
             f"data.root={cfg.root!r} is missing the Criteo files of data.source=criteo with data.layout="
             f"{cfg.layout!r}: needs {names[0]}{' .. ' + names[-1] if len(names) > 1 else ''}, missing "
-            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}. Download and decompress the Criteo files "
-            f"there, or use data=synthetic"
+            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}, and no TorchRec-preprocessed files "
+            f"({names_npy(cfg)}) either. Put the decompressed Criteo files or TorchRec's npy files there, "
+            f"or use data=synthetic"
         )
     return files
 
 
+def names_npy(cfg: DataConfig) -> str:
+    first, *rest = torchrec_file_names(cfg.layout, cfg.num_days)
+    return f"{first}_{{dense,labels,sparse_contig_freq|sparse}}.npy" + (f" .. {rest[-1]}_*" if rest else "")
+
+
+def _torchrec_binary(cfg: DataConfig, log: logging.Logger) -> Optional[PreprocessedCriteo]:
+    """``data.source=criteo``: TorchRec-preprocessed files in ``data.preprocessed_dir`` or
+    ``data.root``, used in place; ``None`` when neither holds a complete set."""
+    if cfg.source != "criteo":
+        return None
+    for where in ([cfg.preprocessed_dir] if cfg.preprocessed_dir else []) + [cfg.root]:
+        found = open_torchrec_binary(where, cfg.layout, cfg.num_days, log=log)
+        if found is not None:
+            return found
+    return None
+
+
 def _prepare_here(cfg: DataConfig, log: logging.Logger, progress: bool) -> PreprocessedCriteo:
     try:
+        binary = _torchrec_binary(cfg, log)
+        if binary is not None:
+            return binary
         tsv = _synthetic_files(cfg, log, progress) if cfg.source == "synthetic" else _criteo_files(cfg)
         out = Path(cfg.preprocessed_dir) if cfg.preprocessed_dir else dataset_dir(cfg) / "preprocessed"
         return preprocess(tsv, out, progress=progress, frequency_threshold=cfg.frequency_threshold, log=log)

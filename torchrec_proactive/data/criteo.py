@@ -60,10 +60,9 @@ PathLike = Union[str, Path]
 _LOG = logging.getLogger(__name__)
 
 _MANIFEST = "manifest.json"
-_MANIFEST_VERSION = 1
+_MANIFEST_VERSION = 2  # 2: TorchRec's file names and int32 labels
 # sparse_to_contiguous appends this to basename.split(".")[0] of each input.
 _CONTIG_SUFFIX = "_contig_freq.npy"
-_SPLIT_DIR = "splits"
 _KINDS = ("dense", "sparse", "labels")
 
 
@@ -127,13 +126,17 @@ def find_format_error(tsv: PathLike) -> Optional[str]:
 
 @dataclass(frozen=True)
 class PreprocessedCriteo:
-    """Binary Criteo ready for ``make_dataloaders``; one entry per input TSV, in input order.
+    """Binary Criteo in TorchRec's layout, ready for ``make_dataloaders``; one entry per
+    day (or Kaggle's one ``train`` file), in order.
 
     Invariants: for file ``i``, ``dense_paths[i]`` holds float32 ``[num_samples[i], 13]``
-    (``log(count - file_min + 2)``), ``sparse_paths[i]`` int64 ``[num_samples[i], 26]`` with
+    (``log(count - file_min + 2)``), ``sparse_paths[i]`` ``[num_samples[i], 26]`` integer
+    ids, ``labels_paths[i]`` int32 ``[num_samples[i], 1]`` in {0, 1} - what TorchRec's
+    ``tsv_to_npys`` writes. Without ``hashes`` the ids are contiguous (``sparse_to_contiguous``):
     ``0 < id < cardinalities[f]`` in column ``f`` (1 = ids seen fewer than
-    ``frequency_threshold`` times, 0 never used), ``labels_paths[i]`` float32
-    ``[num_samples[i], 1]`` in {0, 1}. Ids are consistent across files.
+    ``frequency_threshold`` times) and consistent across files. With ``hashes`` they are
+    raw Criteo hashes, taken modulo ``hashes[f]`` (= ``cardinalities[f]``) as batches are
+    made, as TorchRec's reference trainer does for such files.
     """
 
     out_dir: Path
@@ -143,16 +146,21 @@ class PreprocessedCriteo:
     labels_paths: Tuple[Path, ...]
     cardinalities: Tuple[int, ...]
     num_samples: Tuple[int, ...]
+    hashes: Optional[Tuple[int, ...]] = None
 
     @property
     def total_samples(self) -> int:
         return sum(self.num_samples)
 
 
-def _file_tag(index: int, path: Path) -> str:
-    """Unique, dot-free prefix for the npy files of input ``index`` (see the naming trap)."""
-    stem = re.sub(r"[^A-Za-z0-9_-]", "_", path.name)
-    return f"{index:02d}_{stem}"
+def _file_tags(paths: Sequence[Path]) -> List[str]:
+    """Prefixes of the npy files of each input: TorchRec's own names for Criteo's files
+    (``train.txt`` -> ``train_*.npy``, ``day_3`` -> ``day_3_*.npy``, so TorchRec's reference
+    trainer reads our output), else a unique, dot-free name (see the naming trap)."""
+    criteo = [p.name[: -len(".txt")] if p.name == "train.txt" else p.name for p in paths]
+    if all(re.fullmatch(r"train|day_\d+", n) for n in criteo) and len(set(criteo)) == len(criteo):
+        return criteo
+    return [f"{i:02d}_{re.sub(r'[^A-Za-z0-9_-]', '_', p.name)}" for i, p in enumerate(paths)]
 
 
 def _input_fingerprint(paths: Sequence[Path]) -> List[Dict[str, object]]:
@@ -211,18 +219,9 @@ def _result(
     )
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
-    """Writes via a per-process temporary name and renames, so concurrent writers of the
-    same content (several ranks) never expose a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with open(tmp, "wb") as fh:  # a file object: np.save would append ".npy" to a name
-        np.save(fh, array)
-    os.replace(tmp, path)
-
-
 def _tsv_to_npys(tsv: Path, files: Dict[str, Path]) -> int:
-    """Runs TorchRec's parser on one labeled TSV, then converts labels to float32 (what
-    losses expect, so batches need no conversion). Returns the row count."""
+    """Runs TorchRec's parser on one labeled TSV (its output, as it is); checks the shapes
+    and the labels. Returns the row count."""
     if tsv.stat().st_size == 0:
         raise CriteoFormatError(f"{tsv} is empty: a Criteo file needs at least one row")
     # "criteo_1tb" rather than "criteo_kaggle": same parsing of labeled rows, and it
@@ -253,7 +252,6 @@ def _tsv_to_npys(tsv: Path, files: Dict[str, Path]) -> int:
         raise CriteoFormatError(find_format_error(tsv) or (
             f"{tsv}: {int(bad.sum())} labels outside {{0, 1}} (first {int(labels[bad][0])}); "
             "only labeled Criteo files (label + 13 ints + 26 hashes per line) are supported"))
-    _save_atomic(files["labels"], labels.astype(np.float32).reshape(-1, 1))
     return rows
 
 
@@ -290,7 +288,7 @@ def preprocess(
     out = Path(out_dir).resolve()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    tags = [_file_tag(i, p) for i, p in enumerate(inputs)]
+    tags = _file_tags(inputs)
 
     cached = _load_if_fresh(out, inputs, tags, frequency_threshold)
     if cached is not None:
@@ -370,6 +368,71 @@ def _cardinalities(sparse_paths: Sequence[Path]) -> List[int]:
 
 
 # ---------------------------------------------------------------------------------------
+# TorchRec's binary layout, used in place
+
+
+def torchrec_file_names(layout: str, num_days: int) -> List[str]:
+    """The prefixes TorchRec's preprocessing gives each file: ``train`` (Kaggle) or
+    ``day_0`` .. ``day_{num_days-1}`` (1TB)."""
+    return ["train"] if layout == "kaggle" else [f"day_{d}" for d in range(num_days)]
+
+
+def open_torchrec_binary(
+    directory: PathLike, layout: str, num_days: int = 24, log: Optional[logging.Logger] = None
+) -> Optional[PreprocessedCriteo]:
+    """The files TorchRec's Criteo preprocessing wrote in ``directory``, used where they
+    are (memory-mapped, never copied or rewritten), or ``None`` if a file is missing.
+
+    Per file prefix (:func:`torchrec_file_names`): ``<p>_dense.npy``, ``<p>_labels.npy`` and
+    ``<p>_sparse_contig_freq.npy`` (contiguous ids: ``contiguous_preproc_criteo.py``, table
+    sizes = largest id + 1) or else ``<p>_sparse.npy`` (raw hashes: ``npy_preproc_criteo.py``;
+    taken modulo Criteo's per-feature cardinalities, the ``num_embeddings_per_feature`` of
+    TorchRec's reference DLRM commands). Only the arrays' headers are read, plus one pass
+    over contiguous ids for their table sizes.
+    """
+    from .criteo_synth import KAGGLE_CARDINALITIES, TERABYTE_CARDINALITIES
+
+    log = log or _LOG
+    root = Path(directory)
+    names = torchrec_file_names(layout, num_days)
+    dense = [root / f"{n}_dense.npy" for n in names]
+    labels = [root / f"{n}_labels.npy" for n in names]
+    contig = [root / f"{n}_sparse{_CONTIG_SUFFIX}" for n in names]
+    raw = [root / f"{n}_sparse.npy" for n in names]
+    if not all(p.is_file() for p in dense + labels):
+        return None
+    if all(p.is_file() for p in contig):
+        sparse, hashes = contig, None
+    elif all(p.is_file() for p in raw):
+        sparse, hashes = raw, tuple(KAGGLE_CARDINALITIES if layout == "kaggle" else TERABYTE_CARDINALITIES)
+    else:
+        return None
+    num_samples = []
+    for d, s, l in zip(dense, sparse, labels):
+        shapes = [BinaryCriteoUtils.get_shape_from_npy(str(p)) for p in (d, s, l)]
+        rows = shapes[0][0]
+        if shapes != [(rows, INT_FEATURE_COUNT), (rows, CAT_FEATURE_COUNT), (rows, 1)]:
+            raise CriteoFormatError(
+                f"{root}: the TorchRec files of {d.name[: -len('_dense.npy')]} have shapes dense={shapes[0]}, "
+                f"sparse={shapes[1]}, labels={shapes[2]}; expected ({rows}, {INT_FEATURE_COUNT}), "
+                f"({rows}, {CAT_FEATURE_COUNT}), ({rows}, 1)")
+        num_samples.append(rows)
+    if hashes is None:
+        log.info("data: using TorchRec's preprocessed files in %s in place (%d file(s), %d rows, contiguous ids); "
+                 "reading the ids once for the table sizes", root, len(names), sum(num_samples))
+        cardinalities = _cardinalities(sparse)
+    else:
+        log.info("data: using TorchRec's preprocessed files in %s in place (%d file(s), %d rows, raw ids hashed "
+                 "modulo Criteo's %s cardinalities)", root, len(names), sum(num_samples), layout)
+        cardinalities = list(hashes)
+    return PreprocessedCriteo(
+        out_dir=root, names=tuple(names), dense_paths=tuple(dense), sparse_paths=tuple(sparse),
+        labels_paths=tuple(labels), cardinalities=tuple(cardinalities), num_samples=tuple(num_samples),
+        hashes=hashes,
+    )
+
+
+# ---------------------------------------------------------------------------------------
 # Loading
 
 
@@ -404,27 +467,29 @@ def split_rows(
     return train, evaluation
 
 
-def _part_paths(pre: PreprocessedCriteo, part: RowRange) -> Dict[str, Path]:
-    """Paths of the three arrays for ``part``; a whole file uses the preprocessed files, a
-    partial one is sliced into ``out_dir/splits`` once (reused while newer than the source)."""
-    source = {
-        "dense": pre.dense_paths[part.index],
-        "sparse": pre.sparse_paths[part.index],
-        "labels": pre.labels_paths[part.index],
-    }
-    if part.start == 0 and part.stop == pre.num_samples[part.index]:
-        return source
-    split_dir = pre.out_dir / _SPLIT_DIR
-    split_dir.mkdir(exist_ok=True)
-    name = pre.names[part.index]
-    result = {}
-    for kind, src in source.items():
-        dst = split_dir / f"{name}_rows_{part.start}_{part.stop}_{kind}.npy"
-        if not dst.exists() or dst.stat().st_mtime_ns < src.stat().st_mtime_ns:
-            arr = np.load(src, mmap_mode="r")
-            _save_atomic(dst, np.ascontiguousarray(arr[part.start : part.stop]))
-        result[kind] = dst
-    return result
+def batch_counts(rows: int, batch_size: int, world_size: int, drop_last: bool) -> Tuple[int, np.ndarray]:
+    """``(full batches over all ranks, size of each rank's last partial batch)`` for
+    ``rows`` rows - the split TorchRec's ``InMemoryBinaryCriteoIterDataPipe`` makes: full
+    batches in rounds of ``world_size``; without ``drop_last`` the rows left over are
+    shared out (sizes differing by at most one), and a remainder too small to give every
+    rank a row takes the last full round back into the share-out."""
+    full = rows // (batch_size * world_size) * world_size
+    last = np.zeros(world_size, dtype=np.int64)
+    left = rows - full * batch_size
+    if drop_last or left == 0:
+        return full, last
+    if left < world_size:  # not a row for every rank: share out the last full round too
+        full -= world_size
+        left += batch_size * world_size
+    last += left // world_size
+    last[: left % world_size] += 1
+    return full, last
+
+
+def _open(path: Path) -> np.ndarray:
+    # copy-on-write: memory-mapped (the files need not fit in memory, nothing is copied
+    # before a batch is made), and batches made from it are writable arrays for torch
+    return np.load(path, mmap_mode="c")
 
 
 def _make_pipe(
@@ -436,25 +501,37 @@ def _make_pipe(
     shuffle_batches: bool,
     drop_last: bool,
 ) -> InMemoryBinaryCriteoIterDataPipe:
-    paths = [_part_paths(pre, p) for p in parts]
+    """TorchRec's pipe over row ranges of memory-mapped files, the files used in place.
+
+    TorchRec's pipe takes whole files only; it is built memory-mapped on the files of
+    ``parts`` (which reads nothing but headers), then narrowed to the rows of ``parts``."""
+    files = sorted({p.index for p in parts})
     rng_state = np.random.get_state()  # its __init__ reseeds the global NumPy RNG
     try:
-        return InMemoryBinaryCriteoIterDataPipe(
+        pipe = InMemoryBinaryCriteoIterDataPipe(
             # "train" for both splits: "val"/"test" would halve the first file we pass.
             stage="train",
-            dense_paths=[str(p["dense"]) for p in paths],
-            sparse_paths=[str(p["sparse"]) for p in paths],
-            labels_paths=[str(p["labels"]) for p in paths],
+            dense_paths=[str(pre.dense_paths[i]) for i in files],
+            sparse_paths=[str(pre.sparse_paths[i]) for i in files],
+            labels_paths=[str(pre.labels_paths[i]) for i in files],
             batch_size=batch_size,
             rank=rank,
             world_size=world_size,
             drop_last=drop_last,
             shuffle_batches=shuffle_batches,
-            # ids are already contiguous and < cardinality: no modulo hashing.
-            hashes=None,
+            mmap_mode=True,
+            # contiguous ids are < cardinality already; raw hashes are taken modulo these
+            hashes=list(pre.hashes) if pre.hashes is not None else None,
         )
     finally:
         np.random.set_state(rng_state)
+    pipe.dense_arrs = [_open(pre.dense_paths[p.index])[p.start : p.stop] for p in parts]
+    pipe.sparse_arrs = [_open(pre.sparse_paths[p.index])[p.start : p.stop] for p in parts]
+    pipe.labels_arrs = [_open(pre.labels_paths[p.index])[p.start : p.stop] for p in parts]
+    pipe.num_rows_per_file = [p.stop - p.start for p in parts]
+    pipe.num_full_batches, pipe.last_batch_sizes = batch_counts(
+        sum(pipe.num_rows_per_file), batch_size, world_size, drop_last)
+    return pipe
 
 
 def make_dataloaders(
@@ -479,9 +556,8 @@ def make_dataloaders(
     * ``shuffle_batches`` permutes rows within each training batch (TorchRec's option,
       drawn from the global NumPy RNG); evaluation is never shuffled.
 
-    Every rank loads the whole of both splits into memory (TorchRec's in-memory pipe reads
-    all files and skips other ranks' batches). Batches may share memory with those arrays:
-    do not modify them in place.
+    The files are memory-mapped and used in place (nothing is copied or loaded up front;
+    each rank reads the rows of its own batches), so a data set need not fit in memory.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} is invalid: must be an int >= 1")
