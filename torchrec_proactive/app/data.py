@@ -24,6 +24,12 @@ from ..data.criteo_synth import spec_json
 from .errors import ConfigError, PeerFailure, UserError
 
 
+# For a second run on the same data (compare): its preparation says nothing new.
+QUIET = logging.getLogger("torchrec_proactive.data.quiet")
+QUIET.addHandler(logging.NullHandler())
+QUIET.propagate = False
+
+
 def synthetic_spec(cfg: DataConfig) -> SyntheticCriteoSpec:
     return SyntheticCriteoSpec(
         layout=cfg.layout, num_samples=cfg.num_samples, cardinality_scale=cfg.cardinality_scale,

@@ -83,8 +83,26 @@ def cache_slots(
         need = min(local_rows, batches * ids_per_batch * len(t.feature_names))
         if by_factor < need:
             slots[t.name] = need
-            notes.append(f"{t.name}: {by_factor} -> {need} slots")
+            whole = f" ({WHOLE_TABLE})" if need == local_rows else ""
+            notes.append(f"{t.name}: {by_factor} -> {need} slots{whole}")
     return slots, notes
+
+
+WHOLE_TABLE = "whole table"
+
+
+def describe_growth(notes: Sequence[str], depth: int) -> str:
+    """The one log line for :func:`cache_slots`'s notes; says when caches became whole
+    tables (every row stays on the device: nothing is fetched, the hit rate is 1)."""
+    whole = sum(n.endswith(f"({WHOLE_TABLE})") for n in notes)
+    if whole == len(notes):
+        what = f"to the whole table (every row on the device, nothing to fetch) for {whole} table(s)"
+    elif whole:
+        what = f"for {len(notes)} table(s), {whole} of them to the whole table"
+    else:
+        what = f"for {len(notes)} table(s)"
+    shown = "; ".join(notes[:4]) + (" ..." if len(notes) > 4 else "")
+    return f"cache.fit_depth: caches grown to hold {depth + 1} batches {what}: {shown}"
 
 
 def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCollectionSharder:
