@@ -101,9 +101,16 @@ def _torchrec_binary(cfg: DataConfig, log: logging.Logger) -> Optional[Preproces
     if cfg.source != "criteo":
         return None
     for where in ([cfg.preprocessed_dir] if cfg.preprocessed_dir else []) + [cfg.root]:
-        found = open_torchrec_binary(where, cfg.layout, cfg.num_days, log=log)
+        found = open_torchrec_binary(where, cfg.layout, cfg.num_days, log=log, multi_hot=cfg.multi_hot)
         if found is not None:
+            if cfg.multi_hot and list(found.multi_hot_sizes or ()) != list(cfg.multi_hot_sizes or ()):
+                raise ConfigError(f"data.multi_hot_sizes={list(cfg.multi_hot_sizes or ())} is invalid: the files in "
+                                  f"{where} have {list(found.multi_hot_sizes or ())} ids per sample")
             return found
+    if cfg.multi_hot:
+        raise UserError(f"data.root={cfg.root!r} is missing MLPerf DLRM-v2's multi-hot files of data.multi_hot=true: "
+                        f"needs day_{{0..{cfg.num_days - 1}}}_sparse_multi_hot.npz with day_{{i}}_dense.npy and "
+                        f"day_{{i}}_labels.npy")
     return None
 
 

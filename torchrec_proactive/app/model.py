@@ -66,21 +66,24 @@ def cache_slots(
     ``depth + 1`` in-flight batches (the pipeline pins that many), plus a note for each.
 
     One batch brings at most ``world_size * batch_size`` ids per feature to a shard (one id
-    per sample and feature in Criteo, whatever the sharding), so that bound - capped by the
-    shard's rows - is what must fit, per batch. Tables that already fit are left to the
+    per sample and feature in Criteo - ``data.multi_hot_sizes[f]`` in multi-hot data -
+    whatever the sharding), so that bound - capped by the shard's rows - is what must fit,
+    per batch. Tables that already fit are left to the
     load factor.
     """
     if not cfg.cache.fit_depth:
         return {}, []
     batches = depth + 1
     ids_per_batch = world_size * cfg.train.batch_size
+    # ids per sample of each feature: 1 in Criteo, data.multi_hot_sizes in MLPerf DLRM-v2's multi-hot data
+    hot = dict(zip(FEATURES, cfg.data.multi_hot_sizes)) if cfg.data.multi_hot and cfg.data.multi_hot_sizes else {}
     divisor = {"row_wise": world_size, "table_row_wise": local_size, "auto": world_size}.get(cfg.sharding.type, 1)
     slots: Dict[str, int] = {}
     notes: List[str] = []
     for t in tables:
         local_rows = math.ceil(t.num_embeddings / divisor)
         by_factor = max(1, round(cfg.cache.load_factor * local_rows))
-        need = min(local_rows, batches * ids_per_batch * len(t.feature_names))
+        need = min(local_rows, batches * ids_per_batch * sum(hot.get(f, 1) for f in t.feature_names))
         if by_factor < need:
             slots[t.name] = need
             whole = f" ({WHOLE_TABLE})" if need == local_rows else ""

@@ -136,6 +136,13 @@ class DataConfig:
     """Last fraction of all rows held out for evaluation (never trained on)."""
     shuffle_batches: bool = False
     """Permute rows within each training batch (TorchRec's option; numpy's global RNG)."""
+    multi_hot: bool = False
+    """``criteo`` + ``terabyte``: read MLPerf DLRM-v2's multi-hot features,
+    ``<root>/day_{i}_sparse_multi_hot.npz`` (with ``day_{i}_{dense,labels}.npy``), in place."""
+    multi_hot_sizes: Optional[List[int]] = None
+    """With ``multi_hot``: ids per sample of each of the 26 features, as in the files (MLPerf:
+    3,2,1,2,6,1,1,1,1,7,3,8,1,6,9,5,1,1,1,12,100,27,10,3,1,1); sizes the caches and is
+    checked against the files."""
 
     def __post_init__(self) -> None:
         _choice("data.source", self.source, DATA_SOURCES)
@@ -151,6 +158,13 @@ class DataConfig:
         _at_least("data.frequency_threshold", self.frequency_threshold, 0)
         if not 0.0 < self.eval_fraction < 1.0:
             _fail("data.eval_fraction", self.eval_fraction, "must be in (0, 1)")
+        if self.multi_hot:
+            if self.source != "criteo" or self.layout != "terabyte":
+                _fail("data.multi_hot", True, "needs data.source='criteo' and data.layout='terabyte' (MLPerf DLRM-v2's files)")
+            sizes = self.multi_hot_sizes
+            if sizes is None or len(sizes) != NUM_SPARSE_FEATURES or min(sizes) < 1:
+                _fail("data.multi_hot_sizes", None if sizes is None else list(sizes),
+                      f"must list {NUM_SPARSE_FEATURES} sizes >= 1 with data.multi_hot=true")
 
 
 @dataclass(kw_only=True)

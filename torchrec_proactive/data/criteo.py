@@ -54,6 +54,7 @@ from torchrec.datasets.criteo import (
     BinaryCriteoUtils,
     InMemoryBinaryCriteoIterDataPipe,
 )
+from torch.utils.data import IterableDataset
 from tqdm import tqdm
 
 PathLike = Union[str, Path]
@@ -147,6 +148,9 @@ class PreprocessedCriteo:
     cardinalities: Tuple[int, ...]
     num_samples: Tuple[int, ...]
     hashes: Optional[Tuple[int, ...]] = None
+    multi_hot_sizes: Optional[Tuple[int, ...]] = None
+    """Set for MLPerf DLRM-v2's multi-hot files: ``sparse_paths`` are ``.npz`` archives with
+    ``multi_hot_sizes[f]`` ids per sample of feature ``f`` (see :mod:`.multi_hot`)."""
 
     @property
     def total_samples(self) -> int:
@@ -378,7 +382,8 @@ def torchrec_file_names(layout: str, num_days: int) -> List[str]:
 
 
 def open_torchrec_binary(
-    directory: PathLike, layout: str, num_days: int = 24, log: Optional[logging.Logger] = None
+    directory: PathLike, layout: str, num_days: int = 24, log: Optional[logging.Logger] = None,
+    multi_hot: bool = False,
 ) -> Optional[PreprocessedCriteo]:
     """The files TorchRec's Criteo preprocessing wrote in ``directory``, used where they
     are (memory-mapped, never copied or rewritten), or ``None`` if a file is missing.
@@ -389,6 +394,9 @@ def open_torchrec_binary(
     taken modulo Criteo's per-feature cardinalities, the ``num_embeddings_per_feature`` of
     TorchRec's reference DLRM commands). Only the arrays' headers are read, plus one pass
     over contiguous ids for their table sizes.
+
+    ``multi_hot``: the sparse features are MLPerf DLRM-v2's ``<p>_sparse_multi_hot.npz``
+    instead (ids already hashed modulo the 1TB cardinalities, the tables' sizes).
     """
     from .criteo_synth import KAGGLE_CARDINALITIES, TERABYTE_CARDINALITIES
 
@@ -401,6 +409,8 @@ def open_torchrec_binary(
     raw = [root / f"{n}_sparse.npy" for n in names]
     if not all(p.is_file() for p in dense + labels):
         return None
+    if multi_hot:
+        return _open_multi_hot(root, names, dense, labels, log)
     if all(p.is_file() for p in contig):
         sparse, hashes = contig, None
     elif all(p.is_file() for p in raw):
@@ -429,6 +439,37 @@ def open_torchrec_binary(
         out_dir=root, names=tuple(names), dense_paths=tuple(dense), sparse_paths=tuple(sparse),
         labels_paths=tuple(labels), cardinalities=tuple(cardinalities), num_samples=tuple(num_samples),
         hashes=hashes,
+    )
+
+
+def _open_multi_hot(root: Path, names: Sequence[str], dense: Sequence[Path], labels: Sequence[Path],
+                    log: logging.Logger) -> Optional[PreprocessedCriteo]:
+    from .criteo_synth import TERABYTE_CARDINALITIES
+    from .multi_hot import MULTI_HOT_SUFFIX, multi_hot_sizes
+
+    sparse = [root / f"{n}{MULTI_HOT_SUFFIX}" for n in names]
+    if not all(p.is_file() for p in sparse):
+        return None
+    num_samples, sizes = [], set()
+    for d, s, l in zip(dense, sparse, labels):
+        try:
+            rows, hot = multi_hot_sizes(s)
+        except ValueError as e:
+            raise CriteoFormatError(str(e)) from e
+        shapes = [BinaryCriteoUtils.get_shape_from_npy(str(p)) for p in (d, l)]
+        if shapes != [(rows, INT_FEATURE_COUNT), (rows, 1)]:
+            raise CriteoFormatError(f"{s} has {rows} rows but {d.name} / {l.name} have shapes {shapes}")
+        num_samples.append(rows)
+        sizes.add(hot)
+    if len(sizes) != 1:
+        raise CriteoFormatError(f"{root}: the multi-hot files disagree on ids per sample: {sorted(sizes)}")
+    hot = sizes.pop()
+    log.info("data: using MLPerf DLRM-v2 multi-hot files in %s in place (%d file(s), %d rows, ids per sample %s)",
+             root, len(names), sum(num_samples), list(hot))
+    return PreprocessedCriteo(
+        out_dir=root, names=tuple(names), dense_paths=tuple(dense), sparse_paths=tuple(sparse),
+        labels_paths=tuple(labels), cardinalities=tuple(TERABYTE_CARDINALITIES), num_samples=tuple(num_samples),
+        multi_hot_sizes=hot,
     )
 
 
@@ -492,6 +533,22 @@ def _open(path: Path) -> np.ndarray:
     return np.load(path, mmap_mode="c")
 
 
+def _make_multi_hot_pipe(pre: PreprocessedCriteo, parts: Sequence[RowRange], batch_size: int, rank: int,
+                         world_size: int, shuffle_batches: bool, drop_last: bool) -> IterableDataset:
+    from .multi_hot import MultiHotCriteoPipe, npz_member
+
+    sparse = {i: [npz_member(pre.sparse_paths[i], str(f)) for f in range(CAT_FEATURE_COUNT)]
+              for i in sorted({p.index for p in parts})}
+    full, last = batch_counts(sum(p.stop - p.start for p in parts), batch_size, world_size, drop_last)
+    return MultiHotCriteoPipe(
+        dense=[_open(pre.dense_paths[p.index])[p.start:p.stop] for p in parts],
+        sparse=[[m[p.start:p.stop] for m in sparse[p.index]] for p in parts],
+        labels=[_open(pre.labels_paths[p.index])[p.start:p.stop] for p in parts],
+        batch_size=batch_size, rank=rank, world_size=world_size, full=full, last=last,
+        shuffle_batches=shuffle_batches,
+    )
+
+
 def _make_pipe(
     pre: PreprocessedCriteo,
     parts: Sequence[RowRange],
@@ -500,11 +557,13 @@ def _make_pipe(
     world_size: int,
     shuffle_batches: bool,
     drop_last: bool,
-) -> InMemoryBinaryCriteoIterDataPipe:
+) -> IterableDataset:
     """TorchRec's pipe over row ranges of memory-mapped files, the files used in place.
 
     TorchRec's pipe takes whole files only; it is built memory-mapped on the files of
     ``parts`` (which reads nothing but headers), then narrowed to the rows of ``parts``."""
+    if pre.multi_hot_sizes is not None:
+        return _make_multi_hot_pipe(pre, parts, batch_size, rank, world_size, shuffle_batches, drop_last)
     files = sorted({p.index for p in parts})
     rng_state = np.random.get_state()  # its __init__ reseeds the global NumPy RNG
     try:
