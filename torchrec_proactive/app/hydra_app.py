@@ -154,6 +154,8 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
             and os.environ.get("TORCHREC_PROACTIVE_CONFIG_DIR"):
         argv = ["--config-dir", os.environ["TORCHREC_PROACTIVE_CONFIG_DIR"], *argv]
     args, argv = parse_hydra_argv(prog, argv)  # argparse: a usage error exits with 2
+    if args.config_dir is not None:  # the ranks may start in another directory (hydra.job.chdir)
+        args.config_dir = os.path.abspath(args.config_dir)
     if args.config_name is not None or args.config_path is not None:
         raise UserError("--config-name/--config-path are not supported: the packaged configs are the primary "
                         "config; add yours with --config-dir or hydra.searchpath")
