@@ -108,9 +108,10 @@ def build_plan(
         # TorchRec's CPU perf estimators know no UVM caching (CPU has no UVM), so on CPU the
         # planner places the tables as `fused` and the placement is then marked cached.
         plan_kernel = "fused" if (device_type == "cpu" and kernel == "fused_uvm_caching") else kernel
-        # Only the sharding types that can run `plan_kernel`: data_parallel tables are dense,
-        # and offering it made the planner warn once per table that no kernel fits.
-        types = [t for t in sharder.sharding_types(device_type) if t != "data_parallel"]
+        # Only the sharding types that can run `kernel` (the sharder says which: proactive
+        # tables support fewer than stock's `fused` on CPU, and data_parallel tables are
+        # dense - offering it made the planner warn once per table that no kernel fits).
+        types = [t for t in sharder.sharding_types(device_type) if kernel in sharder.compute_kernels(t, device_type)]
         constraints = {
             cfg.name: ParameterConstraints(sharding_types=types, compute_kernels=[plan_kernel], cache_params=cache)
             for ebc in ebcs.values() for cfg in ebc.embedding_bag_configs()
