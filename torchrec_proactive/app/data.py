@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..config.schema import DataConfig
 from ..data import SyntheticCriteoSpec, generate, read_generated
 from ..data.criteo import (
+    PREPROCESS_MANIFEST,
     CriteoFormatError,
     PreprocessedCriteo,
     make_dataloaders,
@@ -95,12 +96,19 @@ def names_npy(cfg: DataConfig) -> str:
     return f"{first}_{{dense,labels,sparse_contig_freq|sparse}}.npy" + (f" .. {rest[-1]}_*" if rest else "")
 
 
+def _tsvs_present(cfg: DataConfig) -> bool:
+    names = ["train.txt"] if cfg.layout == "kaggle" else [f"day_{d}" for d in range(cfg.num_days)]
+    return all((Path(cfg.root) / n).is_file() for n in names)
+
+
 def _torchrec_binary(cfg: DataConfig, log: logging.Logger) -> Optional[PreprocessedCriteo]:
     """``data.source=criteo``: TorchRec-preprocessed files in ``data.preprocessed_dir`` or
     ``data.root``, used in place; ``None`` when neither holds a complete set."""
     if cfg.source != "criteo":
         return None
     for where in ([cfg.preprocessed_dir] if cfg.preprocessed_dir else []) + [cfg.root]:
+        if (Path(where) / PREPROCESS_MANIFEST).is_file() and _tsvs_present(cfg):
+            continue  # our own preprocessing output: preprocess() checks it is fresh for the TSVs
         found = open_torchrec_binary(where, cfg.layout, cfg.num_days, log=log, multi_hot=cfg.multi_hot)
         if found is not None:
             if cfg.multi_hot and list(found.multi_hot_sizes or ()) != list(cfg.multi_hot_sizes or ()):

@@ -60,7 +60,7 @@ from tqdm import tqdm
 PathLike = Union[str, Path]
 _LOG = logging.getLogger(__name__)
 
-_MANIFEST = "manifest.json"
+_MANIFEST = PREPROCESS_MANIFEST = "manifest.json"  # written last by preprocess(): its output is complete
 _MANIFEST_VERSION = 2  # 2: TorchRec's file names and int32 labels
 # sparse_to_contiguous appends this to basename.split(".")[0] of each input.
 _CONTIG_SUFFIX = "_contig_freq.npy"
