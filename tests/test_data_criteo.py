@@ -186,7 +186,7 @@ def test_preprocess_outputs(kaggle) -> None:
     dense, sparse, labels = _full_arrays(pre)
     assert dense.dtype == np.float32 and dense.shape == (2000, 13)
     assert sparse.dtype == np.int64 and sparse.shape == (2000, 26)
-    assert labels.dtype == np.float32 and set(np.unique(labels)) <= {0.0, 1.0}
+    assert labels.dtype == np.int32 and set(np.unique(labels)) <= {0, 1}  # TorchRec's tsv_to_npys layout
     # log(count - 0 + 2): the generator pins each file's minimum integer to 0.
     assert dense.min() == pytest.approx(np.log(2.0))
     assert (sparse >= 1).all() and (sparse < np.array(pre.cardinalities)).all()
@@ -222,7 +222,7 @@ def test_preprocess_ignores_test_in_path_and_rejects_bad_labels(tmp_path: Path) 
 
     bad = tmp_path / "bad.tsv"
     bad.write_text("2" + "\t1" * 13 + "\tabcdef01" * 26 + "\n")
-    with pytest.raises(ValueError, match="labels outside"):
+    with pytest.raises(ValueError, match=r"bad\.tsv, line 1: label='2' must be 0 or 1"):
         preprocess([bad], tmp_path / "bad_out", progress=False)
     with pytest.raises(ValueError, match="tsv_files is empty"):
         preprocess([], tmp_path / "none", progress=False)
@@ -251,7 +251,7 @@ def test_kaggle_loader_batches(kaggle) -> None:
     cards = torch.tensor(pre.cardinalities)
     for b in batches:
         assert b.dense_features.shape == (64, 13) and b.dense_features.dtype == torch.float32
-        assert b.labels.shape == (64,) and b.labels.dtype == torch.float32
+        assert b.labels.shape == (64,) and b.labels.dtype == torch.int32
         kjt = b.sparse_features
         assert kjt.keys() == _KEYS and kjt.stride() == 64
         assert (kjt.lengths() == 1).all()
@@ -263,7 +263,7 @@ def test_kaggle_loader_batches(kaggle) -> None:
 @pytest.mark.parametrize("eval_fraction", [0.1, 0.6])  # inside day_1 / across both days
 def test_eval_split_is_disjoint_from_train(terabyte, eval_fraction: float) -> None:
     _, pre = terabyte
-    assert pre.names == ("00_day_0", "01_day_1") and pre.num_samples == (1000, 1000)
+    assert pre.names == ("day_0", "day_1") and pre.num_samples == (1000, 1000)
     train, ev = make_dataloaders(pre, 32, 0, 1, eval_fraction=eval_fraction, drop_last=False)
     t_dense, t_sparse, t_labels = _collect(train)
     e_dense, e_sparse, e_labels = _collect(ev)

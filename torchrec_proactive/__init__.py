@@ -1,13 +1,17 @@
 """torchrec-proactive: fetch the cold embedding rows of batch N+k while batch N communicates.
 
-Public API (TorchRec-facing names are imported lazily so the store can be used without TorchRec):
+Public API (imported lazily, so ``import torchrec_proactive`` is cheap and the store can be
+used without TorchRec; ``dir(torchrec_proactive)`` lists it):
 
 * :class:`ProactiveEmbeddingBagCollectionSharder` - swap in for ``EmbeddingBagCollectionSharder``.
 * :class:`ProactiveTrainPipeline` - swap in for ``TrainPipelineSparseDist``.
+* :class:`ProactiveShardedEmbeddingBagCollection` - the sharded module the sharder builds.
+* :class:`LinkModel` - an emulated host-to-device link for CPU runs (``torchrec_proactive.fetch``).
 * :mod:`torchrec_proactive.store` / :mod:`torchrec_proactive.fetch` - the store and fetch engine.
 """
 
-from typing import Any
+import importlib as _importlib
+from typing import Any as _Any, List as _List
 
 __version__ = "0.1.0"
 
@@ -15,14 +19,22 @@ _LAZY = {
     "ProactiveEmbeddingBagCollectionSharder": "torchrec_proactive.integration.sharder",
     "ProactiveShardedEmbeddingBagCollection": "torchrec_proactive.integration.sharded_ebc",
     "ProactiveTrainPipeline": "torchrec_proactive.integration.pipeline",
+    "LinkModel": "torchrec_proactive.fetch",
 }
+_SUBMODULES = ("fetch", "store", "integration", "data", "config", "app", "bench", "planning", "launch", "cli")
 
-__all__ = list(_LAZY) + ["__version__"]
+__all__ = [*_LAZY, "__version__"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # imported once
+        return value
+    if name in _SUBMODULES:
+        return _importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'torchrec_proactive' has no attribute {name!r}")
+
+
+def __dir__() -> _List[str]:
+    return sorted({*__all__, *_SUBMODULES})

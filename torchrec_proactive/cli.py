@@ -4,13 +4,16 @@ fetching, compare reactive vs. proactive, benchmark.
 examples:
   torchrec-proactive gen-data --out-dir data/mine --num-samples 100000 --max-cardinality 20000
   torchrec-proactive train --nproc 2 experiment=debug_2rank data.root=data/mine
+  torchrec-proactive train --nproc 2 -m prefetch.depth=0,2,4 experiment=ci_tiny
   torchrun --nproc_per_node 8 -m torchrec_proactive.cli train experiment=kaggle_proactive data.root=/data/criteo
   torchrec-proactive compare --nproc 2
   torchrec-proactive bench --quick
 
-train and compare take Hydra overrides of conf/ (see `train --help`). Under torchrun or
-torchx (WORLD_SIZE set) each process is one rank and --nproc is ignored. Mistakes in
-arguments, config, data or run directory end in one line on stderr and exit code 2.
+train and compare are Hydra applications over the packaged configs (conf/ in the
+repository): overrides, -m sweeps, --cfg, --info, --config-dir (see `train --help`).
+Under torchrun or torchx (WORLD_SIZE set) each process is one rank and --nproc is
+ignored. Mistakes in arguments, config, data or run directory end in one line on stderr
+and exit code 2.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .app.errors import EXIT_USAGE, UserError
 
@@ -75,30 +78,45 @@ def _config_epilog() -> str:
         from .app.compose import config_tree
 
         tree = config_tree()
-    except Exception as e:  # --help must work even without a conf/ directory
+    except Exception as e:  # --help must work even with a broken install
         return f"config groups: unavailable ({e})"
     groups = {g: opts for g, opts in tree.items() if g != "experiment"}
     width = max(len(g) for g in groups) + 2
     lines = ["config groups (pick one with group=option; set any field with group.field=value):"]
     lines += [f"  {g + ':':<{width}}{', '.join(opts)}" for g, opts in groups.items()]
-    lines += ["", "experiments (experiment=name; conf/experiment/<name>.yaml):",
+    lines += ["", "experiments (experiment=name; conf/experiment/<name>.yaml, or yours in --config-dir):",
               f"  {', '.join(tree.get('experiment', []))}", "",
               "every field, with its default and limits: train --cfg, and torchrec_proactive/config/schema.py.",
-              "outputs: train.output_dir (default outputs/<date>/<time>, new for every run); a directory",
-              "that holds a previous run is refused unless train.resume=true, which continues it."]
+              "outputs: Hydra's run directory (default outputs/<date>/<time>, new for every run); a directory",
+              "that holds a previous run is refused unless train.resume=true, which continues it.", "",
+              HYDRA_OPTIONS]
     return "\n".join(lines)
+
+
+HYDRA_OPTIONS = """Hydra options (this is a Hydra application; Hydra parses these itself):
+  -m, --multirun        a sweep: one job per combination of comma-separated values
+                        (prefetch.depth=0,2,4), each in its own run directory under
+                        hydra.sweep.dir, each launching its own --nproc ranks
+  --cfg {job,hydra,all} print Hydra's composed config (with --resolve: resolved;
+                        -p PACKAGE: one part) and exit; --cfg alone prints the validated
+                        config the ranks run, every field resolved
+  --info [{all,config,defaults,defaults-tree,plugins,searchpath}]
+                        Hydra's information about the app and its search path
+  -cd, --config-dir DIR adds DIR to the search path after the packaged configs (it may
+                        hold only experiment/my_run.yaml); hydra.searchpath=[...] adds more
+  --hydra-help          Hydra's own help
+run directories: hydra.run.dir (default outputs/<date>/<time>), or in a sweep
+hydra.sweep.dir/hydra.sweep.subdir; hydra.job.chdir=true runs the job inside it.
+train.output_dir, when set, wins over both."""
 
 
 def _add_run_options(p: argparse.ArgumentParser, default_nproc: int) -> None:
     p.add_argument("--nproc", type=_at_least(1), default=default_nproc,
-                   help="local ranks (processes) to spawn; ignored under torchrun/torchx")
-    p.add_argument("--config-dir", default=None,
-                   help="the Hydra config directory (default: the repository's conf/, or "
-                        "$TORCHREC_PROACTIVE_CONFIG_DIR)")
-    p.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+                   help="local ranks (processes) to spawn for each run (each job of a sweep); ignored under "
+                        "torchrun/torchx")
     p.add_argument("overrides", nargs="*", default=[],
                    help="Hydra overrides: group=option (experiment=debug_2rank, prefetch=auto) or "
-                        "group.field=value (train.batch_size=512)")
+                        "group.field=value (train.batch_size=512), hydra.* (hydra.run.dir=...)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,50 +205,91 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
             print(f"preprocessed into {pre.out_dir}: {pre.total_samples} rows, cardinalities {list(pre.cardinalities)}")
     except OSError as e:
         raise UserError(f"--out-dir={args.out_dir!r} cannot be written: {e.strerror or e} ({e.filename})") from e
+    except ValueError as e:
+        if getattr(e, "user_error", False):  # a malformed file: file, line, field, value
+            raise UserError(str(e)) from e
+        raise
     print(f"train on it with: {PROG} train data=synthetic data.root={args.out_dir}")
     return 0
 
 
-def _run(mode: str, args: argparse.Namespace, overrides: List[str]) -> List[Any]:
-    # Only Hydra and the schema are imported before the config is composed (not torch), so a
-    # config mistake is reported in about a second.
-    from .app.compose import compose_config, to_yaml
+CFG_KINDS = ("job", "hydra", "all")
 
-    cfg = compose_config(overrides, args.config_dir)  # ConfigError: a UserError, handled by main()
-    if args.cfg:
-        print(to_yaml(cfg))
+
+def split_run_argv(argv: Sequence[str]) -> Tuple[List[str], List[str], bool]:
+    """``(ours, hydra's, typed_cfg)``: ``--nproc`` (and ``-h``) are this CLI's, everything
+    else goes to Hydra's parser untouched. A bare ``--cfg`` (not followed by job, hydra or
+    all) asks for the validated config and is taken out."""
+    ours: List[str] = []
+    hydra_argv: List[str] = []
+    typed_cfg = False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--nproc":
+            ours += argv[i:i + 2]
+            i += 2
+            continue
+        if a.startswith("--nproc=") or a in ("-h", "--help"):
+            ours.append(a)
+        elif a in ("--cfg", "-c") and (i + 1 == len(argv) or argv[i + 1] not in CFG_KINDS):
+            typed_cfg = True
+        else:
+            hydra_argv.append(a)
+        i += 1
+    return ours, hydra_argv, typed_cfg
+
+
+def _run(mode: str, argv: Sequence[str], report: Callable[[List[Any]], None]) -> int:
+    parser = build_parser()
+    ours, hydra_argv, typed_cfg = split_run_argv(argv)
+    args = parser.parse_args([mode, *ours])  # --help, and --nproc's usage errors (exit code 2)
+    if typed_cfg:
+        # Only Hydra and the schema are imported before the config is composed (not torch), so a
+        # config mistake is reported in about a second.
+        from .app.compose import compose_config, to_yaml
+        from .app.hydra_app import parse_hydra_argv
+
+        hydra_args, _ = parse_hydra_argv(f"{PROG} {mode}", hydra_argv)
+        print(to_yaml(compose_config(hydra_args.overrides, hydra_args.config_dir)))
         raise SystemExit(0)
-    from .app.entry import run_command
-    from .launch import RankFailure
+    from .app.hydra_app import run_app
 
-    try:
-        return run_command(mode, overrides, nproc=args.nproc, config_dir=args.config_dir, cfg=cfg)
-    except RankFailure as e:  # a bug or a crash, not a user mistake: keep the traceback
-        print(f"{PROG} {mode}: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    return run_app(mode, hydra_argv, args.nproc, report)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """``train``: runs the ranks, prints the :class:`~torchrec_proactive.app.result.TrainResult` line."""
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"  # under torchrun every rank reports
+
+
+def _report_train(results: List[Any]) -> None:
     from .app.result import TrainResult
 
-    results = _run("train", args, list(args.overrides))
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here
-        print(TrainResult.from_summary(results[0]).to_json())
-    return 0
+    if _is_rank0():
+        print(TrainResult.from_summary(results[0]).to_json(), flush=True)
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    """``compare``: reactive vs. proactive, printed as a table."""
+def _report_compare(results: List[Any]) -> None:
     from .app.compare import format_table
 
-    overrides = list(args.overrides)
-    if not any(o.lstrip("+~").startswith("experiment=") for o in overrides):
-        overrides.insert(0, "experiment=compare_cpu")
-    result = _run("compare", args, overrides)[0]
-    if isinstance(result, dict) and "rows" in result and os.environ.get("RANK", "0") == "0":
-        print(format_table(result))
-    return 0
+    result = results[0]
+    if isinstance(result, dict) and "rows" in result and _is_rank0():
+        print(format_table(result), flush=True)
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    """``train``: runs the ranks (of every job, with ``-m``), prints each run's
+    :class:`~torchrec_proactive.app.result.TrainResult` line."""
+    return _run("train", argv, _report_train)
+
+
+def cmd_compare(argv: Sequence[str]) -> int:
+    """``compare``: reactive vs. proactive, printed as a table (``experiment=compare_cpu``
+    unless an experiment is given)."""
+    argv = list(argv)
+    if not any(a.lstrip("+~").startswith("experiment=") for a in argv):
+        argv.insert(0, "experiment=compare_cpu")
+    return _run("compare", argv, _report_compare)
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
@@ -257,18 +316,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
-    parser = build_parser()
-    # Options may come after overrides (`train experiment=x --nproc 2 prefetch=auto`):
-    # argparse stops filling the positional list at the first option, so collect the rest.
-    args, rest = parser.parse_known_args(argv)
-    if rest:
-        if not hasattr(args, "overrides") or any(r.startswith("-") for r in rest):
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        args.overrides = list(args.overrides) + rest
+    command = argv[0] if argv else None
     try:
+        if command in ("train", "compare"):
+            # Hydra parses its own flags and the overrides (see HYDRA_OPTIONS)
+            return int((cmd_train if command == "train" else cmd_compare)(argv[1:]) or 0)
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        print(f"{PROG} {command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
 

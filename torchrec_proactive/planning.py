@@ -8,14 +8,19 @@ non-data-parallel table; ``fused_uvm_caching`` makes a table proactive under our
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+import contextlib
+import logging
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -45,6 +50,30 @@ def _generator(sharding: str, table_index: int, world_size: int, local_size: int
     if sharding == "data_parallel":
         return data_parallel()
     raise ValueError(f"unknown sharding type {sharding!r}; choose from {SHARDING_TYPES} or 'auto'")
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage().splitlines()[0][:200])
+
+
+@contextlib.contextmanager
+def planner_warnings() -> Iterator[List[str]]:
+    """Collects the warnings TorchRec's planner logs (advice for its own callers, e.g. on
+    dry runs) instead of printing them, for a one-line summary; restores its logger after."""
+    logger = logging.getLogger("torchrec.distributed.planner")
+    handler, propagate = _Collect(), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def find_ebcs(model: nn.Module) -> Dict[str, EmbeddingBagCollection]:
@@ -79,15 +108,26 @@ def build_plan(
         # TorchRec's CPU perf estimators know no UVM caching (CPU has no UVM), so on CPU the
         # planner places the tables as `fused` and the placement is then marked cached.
         plan_kernel = "fused" if (device_type == "cpu" and kernel == "fused_uvm_caching") else kernel
+        # Only the sharding types that can run `kernel` (the sharder says which: proactive
+        # tables support fewer than stock's `fused` on CPU, and data_parallel tables are
+        # dense - offering it made the planner warn once per table that no kernel fits).
+        types = [t for t in sharder.sharding_types(device_type) if kernel in sharder.compute_kernels(t, device_type)]
         constraints = {
-            cfg.name: ParameterConstraints(compute_kernels=[plan_kernel], cache_params=cache)
+            cfg.name: ParameterConstraints(sharding_types=types, compute_kernels=[plan_kernel], cache_params=cache)
             for ebc in ebcs.values() for cfg in ebc.embedding_bag_configs()
         }
-        planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=world_size, local_world_size=local_size, compute_device=device_type),
-            constraints=constraints,
+        topology = TopologyFactory.create_topology(
+            TrainerConfig(world_size=world_size, local_world_size=local_size),
+            kernel_config=KernelConfig(compute_device=device_type),
         )
-        plan = planner.collective_plan(model, [sharder], pg or dist.GroupMember.WORLD)
+        # TorchRec's recommended reservation (its default heuristic one warns that it is
+        # deprecated): 15% of each device's memory for the dense part, as the default.
+        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
+                                           storage_reservation=FixedPercentageStorageReservation(0.15))
+        with planner_warnings() as heard:
+            plan = planner.collective_plan(model, [sharder], pg or dist.GroupMember.WORLD)
+        if heard:  # one line (a run shows it in its log, in config words)
+            warnings.warn(f"TorchRec's planner logged {len(heard)} warning(s); the first: {heard[0]}", stacklevel=2)
         if plan_kernel != kernel:
             for module_plan in plan.plan.values():
                 for ps in module_plan.values():  # type: ignore[union-attr]

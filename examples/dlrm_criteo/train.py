@@ -33,7 +33,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
-    p.add_argument("--config-dir", default=None, help="conf/ directory (default: the repository's)")
+    p.add_argument("--config-dir", default=None,
+                   help="a config directory added after the packaged configs (e.g. one experiment file)")
     p.add_argument("overrides", nargs="*", default=[],
                    help="Hydra overrides, e.g. experiment=debug_2rank prefetch=auto")
     return p.parse_args(argv)

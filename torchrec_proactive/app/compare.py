@@ -48,6 +48,8 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
         # one config line for the comparison: the two runs differ only in prefetch.*
         trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train), cache_depth=depth,
                                   log_config=not trainers))
+    trainers[0].log.info("compare: reactive (prefetch off, depth 0) and proactive (depth %d) side by side on the "
+                         "data and caches above", depth)
     for t in trainers:
         t.start()
     total = trainers[0].total

@@ -1,8 +1,9 @@
-"""Composing ``conf/`` with Hydra's compose API into a typed :class:`Config`.
+"""Composing the packaged configs with Hydra's compose API into a typed :class:`Config`.
 
-The compose API (not ``@hydra.main``) keeps Hydra out of the process: no working
-directory change, no logging takeover, and it can run once per rank or several times in
-one process (tests, ``compare``).
+The CLI itself is a Hydra application (``hydra.main``, :mod:`.hydra_app`); the compose API
+is what each rank, the example script and the tests use: no working directory change, no
+logging takeover, and it can run once per rank or several times in one process. Both
+search the same path: the packaged configs, then ``--config-dir``, then ``hydra.searchpath``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, get_type_hints
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config.schema import GROUPS, Config, register
@@ -25,26 +26,79 @@ from .errors import ConfigError
 
 CONFIG_NAME = "config"
 ENV_CONFIG_DIR = "TORCHREC_PROACTIVE_CONFIG_DIR"
+# The schema's train.output_dir: "Hydra's run directory" unless a config or override sets it.
+DEFAULT_OUTPUT_DIR = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+
+
+def packaged_config_dir() -> Path:
+    """The configs shipped inside the package (``torchrec_proactive/conf``).
+
+    In a checkout it is a symlink to the repository's top-level ``conf/`` (the source of
+    truth); a wheel build copies the files it points at into the package, so an installed
+    package or a container image carries them without a checkout."""
+    here = Path(__file__).resolve().parents[1] / "conf"
+    if not (here / f"{CONFIG_NAME}.yaml").is_file():
+        raise ConfigError(f"the packaged configs are missing: {here} has no {CONFIG_NAME}.yaml (a broken install?)")
+    return here
 
 
 def find_config_dir(config_dir: Optional[str] = None) -> Path:
-    """``config_dir``, else ``$TORCHREC_PROACTIVE_CONFIG_DIR``, else the repository's
-    ``conf/`` next to the package (editable installs, checkouts), else ``./conf``."""
-    candidates = [config_dir, os.environ.get(ENV_CONFIG_DIR)]
-    candidates += [str(Path(__file__).resolve().parents[2] / "conf"), "conf"]
-    for c in candidates:
-        if c and (Path(c) / f"{CONFIG_NAME}.yaml").is_file():
-            return Path(c).resolve()
-    if config_dir:
-        raise ConfigError(f"--config-dir={config_dir!r} is invalid: it has no {CONFIG_NAME}.yaml")
-    raise ConfigError(
-        f"cannot find the conf/ directory (looked next to the package and in {os.getcwd()}); "
-        f"pass --config-dir or set {ENV_CONFIG_DIR}"
-    )
+    """The directory holding the primary ``config.yaml``: the packaged configs.
+
+    ``config_dir`` is kept for callers of the old signature: an extra directory is never the
+    primary one any more, it is *added* to Hydra's search path (see :func:`extra_config_dirs`)."""
+    return packaged_config_dir()
 
 
-def compose_config(overrides: Sequence[str] = (), config_dir: Optional[str] = None) -> Config:
+def extra_config_dirs(config_dir: Optional[str] = None) -> List[Path]:
+    """Directories added to Hydra's search path after the packaged configs, as Hydra's own
+    ``--config-dir`` does: ``config_dir``, else ``$TORCHREC_PROACTIVE_CONFIG_DIR``. Each may
+    hold only the files it adds (``experiment/my_run.yaml``)."""
+    given = config_dir or os.environ.get(ENV_CONFIG_DIR)
+    if not given:
+        return []
+    path = Path(given).expanduser()
+    if not path.is_dir():
+        key = "--config-dir" if config_dir else f"${ENV_CONFIG_DIR}"
+        raise ConfigError(f"{key}={given!r} is invalid: no such directory")
+    return [path.resolve()]
+
+
+def _quote(text: str) -> str:
+    """``text`` as a quoted value of Hydra's override grammar."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def with_search_path(overrides: Sequence[str], config_dir: Optional[str] = None) -> List[str]:
+    """``overrides`` with the extra config directories merged into ``hydra.searchpath`` (in
+    front of any the user gave), so the compose API searches what ``hydra.main`` with
+    ``--config-dir`` searches."""
+    extra = [f"file://{p}" for p in extra_config_dirs(config_dir)]
+    if not extra:
+        return list(overrides)
+    rest, given = [], []
+    for o in overrides:
+        if o.lstrip("+~").startswith("hydra.searchpath="):
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+
+            try:
+                value = OverridesParser.create().parse_override(o).value()
+            except HydraException as e:
+                raise ConfigError(_explain(e)) from e
+            given = list(value) if isinstance(value, (list, tuple)) else [value]
+        else:
+            rest.append(o)
+    paths = extra + [str(v) for v in given if str(v) not in extra]
+    return [*rest, f"hydra.searchpath=[{','.join(_quote(p) for p in paths)}]"]
+
+
+def compose_config(overrides: Sequence[str] = (), config_dir: Optional[str] = None,
+                   config_name: str = CONFIG_NAME) -> Config:
     """Composes ``config.yaml`` with Hydra ``overrides`` and validates it into a :class:`Config`.
+
+    The packaged configs come first in the search path; ``config_dir`` (or
+    ``$TORCHREC_PROACTIVE_CONFIG_DIR``) and any ``hydra.searchpath`` override add to them.
+    ``hydra.*`` overrides are accepted; ``train.output_dir`` defaults to ``hydra.run.dir``.
 
     Every mistake raises :class:`~torchrec_proactive.app.errors.ConfigError` (a
     ``ValueError``) with a one-line message naming the key, the value and the limit: unknown
@@ -54,17 +108,46 @@ def compose_config(overrides: Sequence[str] = (), config_dir: Optional[str] = No
     register()
     # `experiment` is in the defaults list (as `experiment: null`), so the canonical form is
     # `experiment=name`; accept the `+experiment=name` habit from other Hydra projects too.
-    overrides = [o[1:] if o.startswith("+experiment=") else o for o in overrides]
+    overrides = with_search_path(canonical_overrides(overrides), config_dir)
     try:
-        with initialize_config_dir(config_dir=str(find_config_dir(config_dir)), version_base="1.3"):
-            cfg = compose(CONFIG_NAME, overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(packaged_config_dir()), version_base="1.3"):
+            cfg = compose(config_name, overrides=list(overrides), return_hydra_config=True)
+            if uses_default_output_dir(cfg, overrides):
+                run_dir = OmegaConf.select(cfg, "hydra.run.dir")
+                if run_dir:
+                    cfg.train.output_dir = str(run_dir)
+            with open_dict(cfg):
+                del cfg["hydra"]
     except HydraException as e:
         raise ConfigError(_explain(e)) from e
+    return validate(cfg)
+
+
+def canonical_overrides(overrides: Sequence[str]) -> List[str]:
+    """``+experiment=x`` as ``experiment=x`` (``experiment`` is in the defaults list)."""
+    return [o[1:] if o.startswith("+experiment=") else o for o in overrides]
+
+
+def uses_default_output_dir(cfg: Any, overrides: Sequence[str]) -> bool:
+    """True when neither an override nor a config file set ``train.output_dir``: the run
+    then goes to Hydra's run directory (``hydra.run.dir``, or the job's directory in a
+    ``-m`` sweep)."""
+    if any(o.lstrip("+~").startswith("train.output_dir=") for o in overrides):
+        return False
+    raw = OmegaConf.to_container(cfg.train, resolve=False)
+    return isinstance(raw, dict) and raw.get("output_dir") == DEFAULT_OUTPUT_DIR
+
+
+def validate(cfg: Any) -> Config:
+    """A composed tree (no ``hydra`` node) as a validated :class:`Config`; raises
+    :class:`ConfigError` for a key the schema does not know or a value out of range."""
     _reject_unknown_keys(cfg, Config, "")
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]  # runs every __post_init__
     except ValueError as e:  # the schema's range checks name field, value and limit already
         raise ConfigError(str(e)) from e
+    except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
+        raise ConfigError(f"{getattr(e, 'full_key', '') or 'config'}: {_first_line(e)}") from e
 
 
 def _first_line(text: object) -> str:
@@ -81,6 +164,9 @@ def _explain(e: HydraException) -> str:
     if isinstance(e, OverrideParseException):
         return (f"cannot parse override {e.override!r}: {_first_line(e.message)} (Hydra's override grammar: "
                 f"https://hydra.cc/docs/advanced/override_grammar/basic/)")
+    if message.startswith("Ambiguous value for argument"):  # Hydra explains it on three more lines
+        return (f"{_first_line(message)}: a sweep needs -m/--multirun; a list is written key=[a,b], "
+                f"a string with a comma key='a,b'")
     unknown = re.match(r"Could not override '([^']+)'", message)
     if unknown:
         explained = unknown_key_message(unknown.group(1))
@@ -137,8 +223,9 @@ def _reject_unknown_keys(node: Any, schema: type, prefix: str) -> None:
 def config_tree(config_dir: Optional[str] = None) -> Dict[str, List[str]]:
     """``{group: [option, ...]}`` of the config directory, ``experiment`` included (for
     ``--help``): the YAML files of each group's folder."""
-    root = find_config_dir(config_dir)
-    return {g: sorted(p.stem for p in (root / g).glob("*.yaml")) for g in [*GROUPS, "experiment"]}
+    roots = [packaged_config_dir(), *extra_config_dirs(config_dir)]
+    return {g: sorted({p.stem for root in roots for p in (root / g).glob("*.yaml")})
+            for g in [*GROUPS, "experiment"]}
 
 
 def to_yaml(cfg: Config) -> str:

@@ -11,9 +11,24 @@ import torch.distributed as dist
 
 from ..config.schema import DataConfig
 from ..data import SyntheticCriteoSpec, generate, read_generated
-from ..data.criteo import PreprocessedCriteo, make_dataloaders, preprocess
+from ..data.criteo import (
+    PREPROCESS_MANIFEST,
+    CriteoFormatError,
+    PreprocessedCriteo,
+    make_dataloaders,
+    open_torchrec_binary,
+    preprocess,
+    split_rows,
+    torchrec_file_names,
+)
 from ..data.criteo_synth import spec_json
-from .errors import PeerFailure, UserError
+from .errors import ConfigError, PeerFailure, UserError
+
+
+# For a second run on the same data (compare): its preparation says nothing new.
+QUIET = logging.getLogger("torchrec_proactive.data.quiet")
+QUIET.addHandler(logging.NullHandler())
+QUIET.propagate = False
 
 
 def synthetic_spec(cfg: DataConfig) -> SyntheticCriteoSpec:
@@ -54,6 +69,7 @@ def _synthetic_files(cfg: DataConfig, log: logging.Logger, progress: bool) -> Li
     raw = dataset_dir(cfg) / "raw"
     found = read_generated(raw)
     if found is not None and spec_json(found[0]) == spec_json(spec):
+        log.info("data: reusing the synthetic data set generated earlier for this spec in %s", raw)
         return found[1]
     log.info("generating synthetic Criteo data (%d rows, %s layout) in %s", spec.num_samples, spec.layout, raw)
     return generate(spec, raw, progress=progress)
@@ -68,17 +84,54 @@ def _criteo_files(cfg: DataConfig) -> List[Path]:
         raise UserError(
             f"data.root={cfg.root!r} is missing the Criteo files of data.source=criteo with data.layout="
             f"{cfg.layout!r}: needs {names[0]}{' .. ' + names[-1] if len(names) > 1 else ''}, missing "
-            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}. Download and decompress the Criteo files "
-            f"there, or use data=synthetic"
+            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}, and no TorchRec-preprocessed files "
+            f"({names_npy(cfg)}) either. Put the decompressed Criteo files or TorchRec's npy files there, "
+            f"or use data=synthetic"
         )
     return files
 
 
+def names_npy(cfg: DataConfig) -> str:
+    first, *rest = torchrec_file_names(cfg.layout, cfg.num_days)
+    return f"{first}_{{dense,labels,sparse_contig_freq|sparse}}.npy" + (f" .. {rest[-1]}_*" if rest else "")
+
+
+def _tsvs_present(cfg: DataConfig) -> bool:
+    names = ["train.txt"] if cfg.layout == "kaggle" else [f"day_{d}" for d in range(cfg.num_days)]
+    return all((Path(cfg.root) / n).is_file() for n in names)
+
+
+def _torchrec_binary(cfg: DataConfig, log: logging.Logger) -> Optional[PreprocessedCriteo]:
+    """``data.source=criteo``: TorchRec-preprocessed files in ``data.preprocessed_dir`` or
+    ``data.root``, used in place; ``None`` when neither holds a complete set."""
+    if cfg.source != "criteo":
+        return None
+    for where in ([cfg.preprocessed_dir] if cfg.preprocessed_dir else []) + [cfg.root]:
+        if (Path(where) / PREPROCESS_MANIFEST).is_file() and _tsvs_present(cfg):
+            continue  # our own preprocessing output: preprocess() checks it is fresh for the TSVs
+        found = open_torchrec_binary(where, cfg.layout, cfg.num_days, log=log, multi_hot=cfg.multi_hot)
+        if found is not None:
+            if cfg.multi_hot and list(found.multi_hot_sizes or ()) != list(cfg.multi_hot_sizes or ()):
+                raise ConfigError(f"data.multi_hot_sizes={list(cfg.multi_hot_sizes or ())} is invalid: the files in "
+                                  f"{where} have {list(found.multi_hot_sizes or ())} ids per sample")
+            return found
+    if cfg.multi_hot:
+        raise UserError(f"data.root={cfg.root!r} is missing MLPerf DLRM-v2's multi-hot files of data.multi_hot=true: "
+                        f"needs day_{{0..{cfg.num_days - 1}}}_sparse_multi_hot.npz with day_{{i}}_dense.npy and "
+                        f"day_{{i}}_labels.npy")
+    return None
+
+
 def _prepare_here(cfg: DataConfig, log: logging.Logger, progress: bool) -> PreprocessedCriteo:
     try:
+        binary = _torchrec_binary(cfg, log)
+        if binary is not None:
+            return binary
         tsv = _synthetic_files(cfg, log, progress) if cfg.source == "synthetic" else _criteo_files(cfg)
         out = Path(cfg.preprocessed_dir) if cfg.preprocessed_dir else dataset_dir(cfg) / "preprocessed"
-        return preprocess(tsv, out, progress=progress, frequency_threshold=cfg.frequency_threshold)
+        return preprocess(tsv, out, progress=progress, frequency_threshold=cfg.frequency_threshold, log=log)
+    except CriteoFormatError as e:  # file, line, field and value: the user's to fix
+        raise UserError(str(e)) from e
     except OSError as e:
         # A directory that cannot be created or written (a file in the way, no permission,
         # a read-only mount) is the user's to fix: name the keys that choose the paths.
@@ -124,7 +177,24 @@ class Loaders:
         return len(self.train)
 
 
+def check_split(num_samples: List[int], cfg: DataConfig, batch_size: int, world_size: int) -> None:
+    """Raises :class:`ConfigError` naming the config keys when the training or evaluation
+    split would give some rank no batch (fewer rows than ``batch_size * world_size``)."""
+    train, evaluation = split_rows(num_samples, cfg.eval_fraction)
+    total = sum(num_samples)
+    need = batch_size * world_size
+    for split, parts in (("training", train), ("evaluation", evaluation)):
+        rows = sum(p.stop - p.start for p in parts)
+        if rows < need:
+            fix = ("raise data.eval_fraction" if split == "evaluation" else "lower data.eval_fraction")
+            raise ConfigError(
+                f"data.eval_fraction={cfg.eval_fraction:g} leaves {rows} {split} rows of {total}, fewer than "
+                f"train.batch_size={batch_size} x {world_size} rank(s) = {need}: {fix}, lower train.batch_size "
+                f"or use more data (data.num_samples for synthetic data)")
+
+
 def loaders(pre: PreprocessedCriteo, cfg: DataConfig, batch_size: int) -> Loaders:
+    check_split(list(pre.num_samples), cfg, batch_size, dist.get_world_size())
     train, evaluation = make_dataloaders(
         pre, batch_size, dist.get_rank(), dist.get_world_size(), eval_fraction=cfg.eval_fraction,
         shuffle_batches=cfg.shuffle_batches,

@@ -32,6 +32,7 @@ from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .compose import config_hash, flatten
 from .data import Loaders
 from .env import RankEnv
+from .warmup import DenseWarmup
 from .metrics import Window, evaluate, run_pipeline
 
 
@@ -78,6 +79,7 @@ class Trainer:
         total = cfg.train.epochs * data.steps_per_epoch
         self.total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
         self.summary = Summary(depth=pipeline.prefetch_depth, output_dir=cfg.train.output_dir)
+        self.lr_warmup = DenseWarmup(optimizer, cfg.optimizer.dense_lr, cfg.optimizer.warmup_steps)
         self.clock = 0.0  # seconds spent in this trainer's steps
         self._mark = 0.0
         self._batches: Optional[Iterator[Any]] = None
@@ -168,6 +170,7 @@ class Trainer:
         self._bar = tqdm(total=self.total, initial=self.pos.step, unit="step", desc="train", dynamic_ncols=True,
                          mininterval=1.0, disable=None if self.env.is_main and self.cfg.train.progress_bar else True)
         self._start_auto()
+        self.lr_warmup.before_step(self.pos.step + 1)
         stats = self.pipeline.stats()
         self._window.reset(self.pos.step, stats, self.clock)
         self._steady.reset(self.pos.step, stats, self.clock)
@@ -237,6 +240,7 @@ class Trainer:
         loss = float(out[0])
         self._losses.append(loss)
         self._record("step", step=pos.step, loss=loss)
+        self.lr_warmup.before_step(pos.step + 1)
         self._bar.update(1)
         self._mark_warmup()
         if pos.step == self._steady_from:

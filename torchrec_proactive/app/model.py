@@ -66,25 +66,46 @@ def cache_slots(
     ``depth + 1`` in-flight batches (the pipeline pins that many), plus a note for each.
 
     One batch brings at most ``world_size * batch_size`` ids per feature to a shard (one id
-    per sample and feature in Criteo, whatever the sharding), so that bound - capped by the
-    shard's rows - is what must fit, per batch. Tables that already fit are left to the
+    per sample and feature in Criteo - ``data.multi_hot_sizes[f]`` in multi-hot data -
+    whatever the sharding), so that bound - capped by the shard's rows - is what must fit,
+    per batch. Tables that already fit are left to the
     load factor.
     """
     if not cfg.cache.fit_depth:
         return {}, []
     batches = depth + 1
     ids_per_batch = world_size * cfg.train.batch_size
+    # ids per sample of each feature: 1 in Criteo, data.multi_hot_sizes in MLPerf DLRM-v2's multi-hot data
+    hot = dict(zip(FEATURES, cfg.data.multi_hot_sizes)) if cfg.data.multi_hot and cfg.data.multi_hot_sizes else {}
     divisor = {"row_wise": world_size, "table_row_wise": local_size, "auto": world_size}.get(cfg.sharding.type, 1)
     slots: Dict[str, int] = {}
     notes: List[str] = []
     for t in tables:
         local_rows = math.ceil(t.num_embeddings / divisor)
         by_factor = max(1, round(cfg.cache.load_factor * local_rows))
-        need = min(local_rows, batches * ids_per_batch * len(t.feature_names))
+        need = min(local_rows, batches * ids_per_batch * sum(hot.get(f, 1) for f in t.feature_names))
         if by_factor < need:
             slots[t.name] = need
-            notes.append(f"{t.name}: {by_factor} -> {need} slots")
+            whole = f" ({WHOLE_TABLE})" if need == local_rows else ""
+            notes.append(f"{t.name}: {by_factor} -> {need} slots{whole}")
     return slots, notes
+
+
+WHOLE_TABLE = "whole table"
+
+
+def describe_growth(notes: Sequence[str], depth: int) -> str:
+    """The one log line for :func:`cache_slots`'s notes; says when caches became whole
+    tables (every row stays on the device: nothing is fetched, the hit rate is 1)."""
+    whole = sum(n.endswith(f"({WHOLE_TABLE})") for n in notes)
+    if whole == len(notes):
+        what = f"to the whole table (every row on the device, nothing to fetch) for {whole} table(s)"
+    elif whole:
+        what = f"for {len(notes)} table(s), {whole} of them to the whole table"
+    else:
+        what = f"for {len(notes)} table(s)"
+    shown = "; ".join(notes[:4]) + (" ..." if len(notes) > 4 else "")
+    return f"cache.fit_depth: caches grown to hold {depth + 1} batches {what}: {shown}"
 
 
 def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCollectionSharder:

@@ -50,19 +50,20 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
 
     # Bars only on a terminal: the generator and preprocessing take a plain flag.
     progress = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
-    pre = data_lib.prepare(cfg.data, log, progress=progress)
+    # compare builds two runs on one data set with one cache size: say those things once
+    pre = data_lib.prepare(cfg.data, log if log_config else data_lib.QUIET, progress=progress)
     data = data_lib.loaders(pre, cfg.data, cfg.train.batch_size)
-    log.info("data: %d training steps per epoch per rank, %d eval batches, %d tables",
-             data.steps_per_epoch, len(data.eval), len(data.cardinalities))
+    if log_config:
+        log.info("data: %d training steps per epoch per rank, %d eval batches, %d tables",
+                 data.steps_per_epoch, len(data.eval), len(data.cardinalities))
 
     seed_everything(cfg.train.seed)
     model = model_lib.build_model(cfg.model, data.cardinalities, env.device)
     tables = model_lib.table_configs(cfg.model, data.cardinalities)
     depth = cfg.prefetch.capacity_depth if cache_depth is None else cache_depth
     slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth)
-    if notes:
-        shown = "; ".join(notes[:4]) + (" ..." if len(notes) > 4 else "")
-        log.info("cache.fit_depth: %d cache(s) grown to hold %d batches: %s", len(notes), depth + 1, shown)
+    if notes and log_config:
+        log.info("%s", model_lib.describe_growth(notes, depth))
     dmp = model_lib.shard(model, model_lib.build_sharder(cfg, slots), cfg, env)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)

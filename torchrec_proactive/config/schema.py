@@ -136,6 +136,13 @@ class DataConfig:
     """Last fraction of all rows held out for evaluation (never trained on)."""
     shuffle_batches: bool = False
     """Permute rows within each training batch (TorchRec's option; numpy's global RNG)."""
+    multi_hot: bool = False
+    """``criteo`` + ``terabyte``: read MLPerf DLRM-v2's multi-hot features,
+    ``<root>/day_{i}_sparse_multi_hot.npz`` (with ``day_{i}_{dense,labels}.npy``), in place."""
+    multi_hot_sizes: Optional[List[int]] = None
+    """With ``multi_hot``: ids per sample of each of the 26 features, as in the files (MLPerf:
+    3,2,1,2,6,1,1,1,1,7,3,8,1,6,9,5,1,1,1,12,100,27,10,3,1,1); sizes the caches and is
+    checked against the files."""
 
     def __post_init__(self) -> None:
         _choice("data.source", self.source, DATA_SOURCES)
@@ -151,6 +158,13 @@ class DataConfig:
         _at_least("data.frequency_threshold", self.frequency_threshold, 0)
         if not 0.0 < self.eval_fraction < 1.0:
             _fail("data.eval_fraction", self.eval_fraction, "must be in (0, 1)")
+        if self.multi_hot:
+            if self.source != "criteo" or self.layout != "terabyte":
+                _fail("data.multi_hot", True, "needs data.source='criteo' and data.layout='terabyte' (MLPerf DLRM-v2's files)")
+            sizes = self.multi_hot_sizes
+            if sizes is None or len(sizes) != NUM_SPARSE_FEATURES or min(sizes) < 1:
+                _fail("data.multi_hot_sizes", None if sizes is None else list(sizes),
+                      f"must list {NUM_SPARSE_FEATURES} sizes >= 1 with data.multi_hot=true")
 
 
 @dataclass(kw_only=True)
@@ -176,7 +190,9 @@ class PrefetchConfig:
     """``off``: reactive, rows fetched inside the lookup (TorchRec's behaviour, depth 0);
     ``fixed``: fetch ``depth`` batches ahead; ``auto``: measure, then pick the depth."""
     depth: int = 2
-    """``fixed``: the depth k (>= 1). Must be 0 with ``off``; ignored by ``auto``."""
+    """``fixed``: the depth k (>= 0; 0 is reactive, as ``off``, so a sweep such as
+    ``-m prefetch.depth=0,2,4`` needs no group change). Must be 0 with ``off``; ignored by
+    ``auto``."""
     max_depth: int = 4
     """``auto``: largest depth it may choose (the cache must hold depth + 1 batches)."""
     warmup_steps: int = 8
@@ -187,8 +203,8 @@ class PrefetchConfig:
         _choice("prefetch.mode", self.mode, PREFETCH_MODES)
         if self.mode == "off" and self.depth != 0:
             _fail("prefetch.depth", self.depth, "must be 0 with prefetch.mode='off' (use prefetch=fixed for k >= 1)")
-        if self.mode == "fixed" and self.depth < 1:
-            _fail("prefetch.depth", self.depth, "must be >= 1 with prefetch.mode='fixed' (use prefetch=off for 0)")
+        if self.mode == "fixed" and self.depth < 0:
+            _fail("prefetch.depth", self.depth, "must be >= 0 with prefetch.mode='fixed' (0 is reactive)")
         _at_least("prefetch.max_depth", self.max_depth, 1)
         _at_least("prefetch.warmup_steps", self.warmup_steps, 3)
 
@@ -237,6 +253,9 @@ class OptimizerConfig:
     """Learning rate of the dense optimizer."""
     dense_eps: float = 1e-8
     """Epsilon of the adaptive dense optimizers."""
+    warmup_steps: int = 0
+    """Linear warm-up of the dense learning rate: step ``s`` uses ``dense_lr * min(1, s /
+    warmup_steps)`` (TorchRec's reference DLRM trainer: ``--lr_warmup_steps``); 0: none."""
 
     def __post_init__(self) -> None:
         _choice("optimizer.embedding", self.embedding, EMBEDDING_OPTIMIZERS)
@@ -245,6 +264,7 @@ class OptimizerConfig:
         _positive("optimizer.embedding_eps", self.embedding_eps)
         _positive("optimizer.dense_lr", self.dense_lr)
         _positive("optimizer.dense_eps", self.dense_eps)
+        _at_least("optimizer.warmup_steps", self.warmup_steps, 0)
 
 
 @dataclass(kw_only=True)
@@ -335,9 +355,10 @@ class Config:
                 and self.train.max_steps < self.prefetch.warmup_steps:
             _fail("prefetch.warmup_steps", self.prefetch.warmup_steps,
                   f"must be <= train.max_steps={self.train.max_steps} with prefetch.mode='auto'")
-        if self.sharding.kernel == "fused" and self.prefetch.mode != "off":
+        if self.sharding.kernel == "fused" and self.prefetch.capacity_depth != 0:
             _fail("prefetch.mode", self.prefetch.mode,
-                  "must be 'off' with sharding.kernel='fused' (stock tables have nothing to prefetch)")
+                  "must be 'off' (or 'fixed' with depth 0) with sharding.kernel='fused' (stock tables have "
+                  "nothing to prefetch)")
 
 
 GROUPS = {

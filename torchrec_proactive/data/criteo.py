@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -53,27 +54,90 @@ from torchrec.datasets.criteo import (
     BinaryCriteoUtils,
     InMemoryBinaryCriteoIterDataPipe,
 )
+from torch.utils.data import IterableDataset
 from tqdm import tqdm
 
 PathLike = Union[str, Path]
+_LOG = logging.getLogger(__name__)
 
-_MANIFEST = "manifest.json"
-_MANIFEST_VERSION = 1
+_MANIFEST = PREPROCESS_MANIFEST = "manifest.json"  # written last by preprocess(): its output is complete
+_MANIFEST_VERSION = 2  # 2: TorchRec's file names and int32 labels
 # sparse_to_contiguous appends this to basename.split(".")[0] of each input.
 _CONTIG_SUFFIX = "_contig_freq.npy"
-_SPLIT_DIR = "splits"
 _KINDS = ("dense", "sparse", "labels")
+
+
+class CriteoFormatError(ValueError):
+    """A Criteo TSV file that is not in Criteo's format; the message is one line naming the
+    file, the line number, the field and the value. ``user_error``: the CLI prints it as
+    one line with exit code 2 (see ``torchrec_proactive.app.errors``)."""
+
+    user_error = True
+
+
+# Criteo's column names (the TSV has no header): the label, I1..I13, C1..C26.
+FIELD_NAMES = ("label", *(f"I{i}" for i in range(1, INT_FEATURE_COUNT + 1)),
+               *(f"C{i}" for i in range(1, CAT_FEATURE_COUNT + 1)))
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _bad_field(fields: Sequence[str]) -> Optional[Tuple[str, str, str]]:
+    """``(field, value, what is wrong)`` for the first field of one TSV row that TorchRec's
+    parser cannot take (``tsv_to_npys``: integer label and counts, int32 counts, hex ids;
+    empty counts and ids are missing values), else ``None``."""
+    if len(fields) != len(FIELD_NAMES):
+        shown = "\t".join(fields)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return ("row", shown, f"has {len(fields)} tab-separated fields, Criteo rows have {len(FIELD_NAMES)} "
+                "(label, 13 integers, 26 hex ids)")
+    label = fields[0]
+    if label not in ("0", "1"):
+        return ("label", label, "must be 0 or 1 (only labeled Criteo files are supported)")
+    for name, value in zip(FIELD_NAMES[1:1 + INT_FEATURE_COUNT], fields[1:1 + INT_FEATURE_COUNT]):
+        if value == "":
+            continue
+        try:
+            number = int(value)
+        except ValueError:
+            return (name, value, "is not an integer")
+        if not _INT32[0] <= number <= _INT32[1]:
+            return (name, value, f"is outside int32 [{_INT32[0]}, {_INT32[1]}]")
+    for name, value in zip(FIELD_NAMES[1 + INT_FEATURE_COUNT:], fields[1 + INT_FEATURE_COUNT:]):
+        if value == "":
+            continue
+        try:
+            int(value, 16)
+        except ValueError:
+            return (name, value, "is not a hexadecimal id")
+    return None
+
+
+def find_format_error(tsv: PathLike) -> Optional[str]:
+    """The one-line description of the first malformed row of ``tsv`` (file, line number,
+    field, value), or ``None`` if every row parses. Reads the file once, in text."""
+    with open(tsv, "r", newline="") as fh:
+        for number, line in enumerate(fh, start=1):
+            bad = _bad_field(line.rstrip("\r\n").split("\t"))
+            if bad is not None:
+                field, value, why = bad
+                return f"{tsv}, line {number}: {field}={value!r} {why}" if field != "row" else \
+                    f"{tsv}, line {number}: the row {why}: {value!r}"
+    return None
 
 
 @dataclass(frozen=True)
 class PreprocessedCriteo:
-    """Binary Criteo ready for ``make_dataloaders``; one entry per input TSV, in input order.
+    """Binary Criteo in TorchRec's layout, ready for ``make_dataloaders``; one entry per
+    day (or Kaggle's one ``train`` file), in order.
 
     Invariants: for file ``i``, ``dense_paths[i]`` holds float32 ``[num_samples[i], 13]``
-    (``log(count - file_min + 2)``), ``sparse_paths[i]`` int64 ``[num_samples[i], 26]`` with
+    (``log(count - file_min + 2)``), ``sparse_paths[i]`` ``[num_samples[i], 26]`` integer
+    ids, ``labels_paths[i]`` int32 ``[num_samples[i], 1]`` in {0, 1} - what TorchRec's
+    ``tsv_to_npys`` writes. Without ``hashes`` the ids are contiguous (``sparse_to_contiguous``):
     ``0 < id < cardinalities[f]`` in column ``f`` (1 = ids seen fewer than
-    ``frequency_threshold`` times, 0 never used), ``labels_paths[i]`` float32
-    ``[num_samples[i], 1]`` in {0, 1}. Ids are consistent across files.
+    ``frequency_threshold`` times) and consistent across files. With ``hashes`` they are
+    raw Criteo hashes, taken modulo ``hashes[f]`` (= ``cardinalities[f]``) as batches are
+    made, as TorchRec's reference trainer does for such files.
     """
 
     out_dir: Path
@@ -83,16 +147,24 @@ class PreprocessedCriteo:
     labels_paths: Tuple[Path, ...]
     cardinalities: Tuple[int, ...]
     num_samples: Tuple[int, ...]
+    hashes: Optional[Tuple[int, ...]] = None
+    multi_hot_sizes: Optional[Tuple[int, ...]] = None
+    """Set for MLPerf DLRM-v2's multi-hot files: ``sparse_paths`` are ``.npz`` archives with
+    ``multi_hot_sizes[f]`` ids per sample of feature ``f`` (see :mod:`.multi_hot`)."""
 
     @property
     def total_samples(self) -> int:
         return sum(self.num_samples)
 
 
-def _file_tag(index: int, path: Path) -> str:
-    """Unique, dot-free prefix for the npy files of input ``index`` (see the naming trap)."""
-    stem = re.sub(r"[^A-Za-z0-9_-]", "_", path.name)
-    return f"{index:02d}_{stem}"
+def _file_tags(paths: Sequence[Path]) -> List[str]:
+    """Prefixes of the npy files of each input: TorchRec's own names for Criteo's files
+    (``train.txt`` -> ``train_*.npy``, ``day_3`` -> ``day_3_*.npy``, so TorchRec's reference
+    trainer reads our output), else a unique, dot-free name (see the naming trap)."""
+    criteo = [p.name[: -len(".txt")] if p.name == "train.txt" else p.name for p in paths]
+    if all(re.fullmatch(r"train|day_\d+", n) for n in criteo) and len(set(criteo)) == len(criteo):
+        return criteo
+    return [f"{i:02d}_{re.sub(r'[^A-Za-z0-9_-]', '_', p.name)}" for i, p in enumerate(paths)]
 
 
 def _input_fingerprint(paths: Sequence[Path]) -> List[Dict[str, object]]:
@@ -151,29 +223,26 @@ def _result(
     )
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
-    """Writes via a per-process temporary name and renames, so concurrent writers of the
-    same content (several ranks) never expose a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with open(tmp, "wb") as fh:  # a file object: np.save would append ".npy" to a name
-        np.save(fh, array)
-    os.replace(tmp, path)
-
-
 def _tsv_to_npys(tsv: Path, files: Dict[str, Path]) -> int:
-    """Runs TorchRec's parser on one labeled TSV, then converts labels to float32 (what
-    losses expect, so batches need no conversion). Returns the row count."""
+    """Runs TorchRec's parser on one labeled TSV (its output, as it is); checks the shapes
+    and the labels. Returns the row count."""
     if tsv.stat().st_size == 0:
-        raise ValueError(f"{tsv} is empty; a Criteo file needs at least one row")
+        raise CriteoFormatError(f"{tsv} is empty: a Criteo file needs at least one row")
     # "criteo_1tb" rather than "criteo_kaggle": same parsing of labeled rows, and it
     # disables the '"test" in path' switch to unlabeled parsing (see module docstring).
-    BinaryCriteoUtils.tsv_to_npys(
-        str(tsv),
-        str(files["dense"]),
-        str(files["raw_sparse"]),
-        str(files["labels"]),
-        dataset_name="criteo_1tb",
-    )
+    try:
+        BinaryCriteoUtils.tsv_to_npys(
+            str(tsv),
+            str(files["dense"]),
+            str(files["raw_sparse"]),
+            str(files["labels"]),
+            dataset_name="criteo_1tb",
+        )
+    except Exception as e:  # TorchRec's datapipes report a malformed row without file or line
+        found = find_format_error(tsv)
+        if found is None:
+            raise
+        raise CriteoFormatError(found) from e
     labels = np.load(files["labels"])
     dense_shape = BinaryCriteoUtils.get_shape_from_npy(str(files["dense"]))
     sparse_shape = BinaryCriteoUtils.get_shape_from_npy(str(files["raw_sparse"]))
@@ -183,12 +252,10 @@ def _tsv_to_npys(tsv: Path, files: Dict[str, Path]) -> int:
             f"{tsv}: unexpected shapes dense={dense_shape} sparse={sparse_shape} for {rows} rows"
         )
     bad = ~np.isin(labels, (0, 1))
-    if bad.any():
-        raise ValueError(
+    if bad.any():  # TorchRec's parser takes any integer label
+        raise CriteoFormatError(find_format_error(tsv) or (
             f"{tsv}: {int(bad.sum())} labels outside {{0, 1}} (first {int(labels[bad][0])}); "
-            "only labeled Criteo files (label + 13 ints + 26 hashes per line) are supported"
-        )
-    _save_atomic(files["labels"], labels.astype(np.float32).reshape(-1, 1))
+            "only labeled Criteo files (label + 13 ints + 26 hashes per line) are supported"))
     return rows
 
 
@@ -198,6 +265,7 @@ def preprocess(
     progress: bool = True,
     *,
     frequency_threshold: int = FREQUENCY_THRESHOLD,
+    log: Optional[logging.Logger] = None,
 ) -> PreprocessedCriteo:
     """Converts labeled Criteo TSV files to binary npy files with contiguous ids.
 
@@ -207,9 +275,12 @@ def preprocess(
     Ids seen fewer than ``frequency_threshold`` times in total map to 1.
 
     Work is skipped when ``out_dir`` holds a manifest for the same inputs (paths and sizes)
-    and threshold and every output is at least as new as every input. Not safe to run
-    concurrently on one ``out_dir``: run it on one rank and barrier.
+    and threshold and every output is at least as new as every input; ``log`` says which.
+    A malformed file raises :class:`CriteoFormatError` (file, line, field, value) and
+    leaves no output of this call behind. Not safe to run concurrently on one ``out_dir``:
+    run it on one rank and barrier.
     """
+    log = log or _LOG
     inputs = [Path(p).resolve() for p in tsv_files]
     if not inputs:
         raise ValueError("tsv_files is empty: need at least one Criteo TSV file")
@@ -219,15 +290,42 @@ def preprocess(
     if frequency_threshold < 0:
         raise ValueError(f"frequency_threshold={frequency_threshold} is invalid: must be >= 0")
     out = Path(out_dir).resolve()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    tags = [_file_tag(i, p) for i, p in enumerate(inputs)]
+    tags = _file_tags(inputs)
 
     cached = _load_if_fresh(out, inputs, tags, frequency_threshold)
     if cached is not None:
+        log.info("preprocessing: reusing %s (%d rows; its manifest matches the %d input file(s) and "
+                 "frequency_threshold=%d)", out, cached.total_samples, len(inputs), frequency_threshold)
         return cached
     (out / _MANIFEST).unlink(missing_ok=True)  # the manifest marks completion: drop it first
+    log.info("preprocessing %d Criteo TSV file(s) (%s) into %s: TorchRec's tsv_to_npys, then "
+             "sparse_to_contiguous with frequency_threshold=%d", len(inputs), _names(inputs), out,
+             frequency_threshold)
 
     outputs = [_outputs_for(out, t) for t in tags]
+    try:
+        result = _convert(inputs, outputs, out, tags, progress, frequency_threshold)
+    except BaseException:
+        # nothing half-written: this call's outputs go (the inputs are never touched)
+        for files in outputs:
+            for path in files.values():
+                path.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    log.info("preprocessing done: %d rows, %d tables (largest %d rows) in %s", result.total_samples,
+             len(result.cardinalities), max(result.cardinalities), out)
+    return result
+
+
+def _names(paths: Sequence[Path]) -> str:
+    return ", ".join(p.name for p in paths[:3]) + (f" .. {paths[-1].name}" if len(paths) > 3 else "")
+
+
+def _convert(inputs: Sequence[Path], outputs: Sequence[Dict[str, Path]], out: Path, tags: Sequence[str],
+             progress: bool, frequency_threshold: int) -> PreprocessedCriteo:
     num_samples = [
         _tsv_to_npys(tsv, files)
         for tsv, files in tqdm(
@@ -274,6 +372,108 @@ def _cardinalities(sparse_paths: Sequence[Path]) -> List[int]:
 
 
 # ---------------------------------------------------------------------------------------
+# TorchRec's binary layout, used in place
+
+
+def torchrec_file_names(layout: str, num_days: int) -> List[str]:
+    """The prefixes TorchRec's preprocessing gives each file: ``train`` (Kaggle) or
+    ``day_0`` .. ``day_{num_days-1}`` (1TB)."""
+    return ["train"] if layout == "kaggle" else [f"day_{d}" for d in range(num_days)]
+
+
+def open_torchrec_binary(
+    directory: PathLike, layout: str, num_days: int = 24, log: Optional[logging.Logger] = None,
+    multi_hot: bool = False,
+) -> Optional[PreprocessedCriteo]:
+    """The files TorchRec's Criteo preprocessing wrote in ``directory``, used where they
+    are (memory-mapped, never copied or rewritten), or ``None`` if a file is missing.
+
+    Per file prefix (:func:`torchrec_file_names`): ``<p>_dense.npy``, ``<p>_labels.npy`` and
+    ``<p>_sparse_contig_freq.npy`` (contiguous ids: ``contiguous_preproc_criteo.py``, table
+    sizes = largest id + 1) or else ``<p>_sparse.npy`` (raw hashes: ``npy_preproc_criteo.py``;
+    taken modulo Criteo's per-feature cardinalities, the ``num_embeddings_per_feature`` of
+    TorchRec's reference DLRM commands). Only the arrays' headers are read, plus one pass
+    over contiguous ids for their table sizes.
+
+    ``multi_hot``: the sparse features are MLPerf DLRM-v2's ``<p>_sparse_multi_hot.npz``
+    instead (ids already hashed modulo the 1TB cardinalities, the tables' sizes).
+    """
+    from .criteo_synth import KAGGLE_CARDINALITIES, TERABYTE_CARDINALITIES
+
+    log = log or _LOG
+    root = Path(directory)
+    names = torchrec_file_names(layout, num_days)
+    dense = [root / f"{n}_dense.npy" for n in names]
+    labels = [root / f"{n}_labels.npy" for n in names]
+    contig = [root / f"{n}_sparse{_CONTIG_SUFFIX}" for n in names]
+    raw = [root / f"{n}_sparse.npy" for n in names]
+    if not all(p.is_file() for p in dense + labels):
+        return None
+    if multi_hot:
+        return _open_multi_hot(root, names, dense, labels, log)
+    if all(p.is_file() for p in contig):
+        sparse, hashes = contig, None
+    elif all(p.is_file() for p in raw):
+        sparse, hashes = raw, tuple(KAGGLE_CARDINALITIES if layout == "kaggle" else TERABYTE_CARDINALITIES)
+    else:
+        return None
+    num_samples = []
+    for d, s, l in zip(dense, sparse, labels):
+        shapes = [BinaryCriteoUtils.get_shape_from_npy(str(p)) for p in (d, s, l)]
+        rows = shapes[0][0]
+        if shapes != [(rows, INT_FEATURE_COUNT), (rows, CAT_FEATURE_COUNT), (rows, 1)]:
+            raise CriteoFormatError(
+                f"{root}: the TorchRec files of {d.name[: -len('_dense.npy')]} have shapes dense={shapes[0]}, "
+                f"sparse={shapes[1]}, labels={shapes[2]}; expected ({rows}, {INT_FEATURE_COUNT}), "
+                f"({rows}, {CAT_FEATURE_COUNT}), ({rows}, 1)")
+        num_samples.append(rows)
+    if hashes is None:
+        log.info("data: using TorchRec's preprocessed files in %s in place (%d file(s), %d rows, contiguous ids); "
+                 "reading the ids once for the table sizes", root, len(names), sum(num_samples))
+        cardinalities = _cardinalities(sparse)
+    else:
+        log.info("data: using TorchRec's preprocessed files in %s in place (%d file(s), %d rows, raw ids hashed "
+                 "modulo Criteo's %s cardinalities)", root, len(names), sum(num_samples), layout)
+        cardinalities = list(hashes)
+    return PreprocessedCriteo(
+        out_dir=root, names=tuple(names), dense_paths=tuple(dense), sparse_paths=tuple(sparse),
+        labels_paths=tuple(labels), cardinalities=tuple(cardinalities), num_samples=tuple(num_samples),
+        hashes=hashes,
+    )
+
+
+def _open_multi_hot(root: Path, names: Sequence[str], dense: Sequence[Path], labels: Sequence[Path],
+                    log: logging.Logger) -> Optional[PreprocessedCriteo]:
+    from .criteo_synth import TERABYTE_CARDINALITIES
+    from .multi_hot import MULTI_HOT_SUFFIX, multi_hot_sizes
+
+    sparse = [root / f"{n}{MULTI_HOT_SUFFIX}" for n in names]
+    if not all(p.is_file() for p in sparse):
+        return None
+    num_samples, sizes = [], set()
+    for d, s, l in zip(dense, sparse, labels):
+        try:
+            rows, hot = multi_hot_sizes(s)
+        except ValueError as e:
+            raise CriteoFormatError(str(e)) from e
+        shapes = [BinaryCriteoUtils.get_shape_from_npy(str(p)) for p in (d, l)]
+        if shapes != [(rows, INT_FEATURE_COUNT), (rows, 1)]:
+            raise CriteoFormatError(f"{s} has {rows} rows but {d.name} / {l.name} have shapes {shapes}")
+        num_samples.append(rows)
+        sizes.add(hot)
+    if len(sizes) != 1:
+        raise CriteoFormatError(f"{root}: the multi-hot files disagree on ids per sample: {sorted(sizes)}")
+    hot = sizes.pop()
+    log.info("data: using MLPerf DLRM-v2 multi-hot files in %s in place (%d file(s), %d rows, ids per sample %s)",
+             root, len(names), sum(num_samples), list(hot))
+    return PreprocessedCriteo(
+        out_dir=root, names=tuple(names), dense_paths=tuple(dense), sparse_paths=tuple(sparse),
+        labels_paths=tuple(labels), cardinalities=tuple(TERABYTE_CARDINALITIES), num_samples=tuple(num_samples),
+        multi_hot_sizes=hot,
+    )
+
+
+# ---------------------------------------------------------------------------------------
 # Loading
 
 
@@ -308,27 +508,45 @@ def split_rows(
     return train, evaluation
 
 
-def _part_paths(pre: PreprocessedCriteo, part: RowRange) -> Dict[str, Path]:
-    """Paths of the three arrays for ``part``; a whole file uses the preprocessed files, a
-    partial one is sliced into ``out_dir/splits`` once (reused while newer than the source)."""
-    source = {
-        "dense": pre.dense_paths[part.index],
-        "sparse": pre.sparse_paths[part.index],
-        "labels": pre.labels_paths[part.index],
-    }
-    if part.start == 0 and part.stop == pre.num_samples[part.index]:
-        return source
-    split_dir = pre.out_dir / _SPLIT_DIR
-    split_dir.mkdir(exist_ok=True)
-    name = pre.names[part.index]
-    result = {}
-    for kind, src in source.items():
-        dst = split_dir / f"{name}_rows_{part.start}_{part.stop}_{kind}.npy"
-        if not dst.exists() or dst.stat().st_mtime_ns < src.stat().st_mtime_ns:
-            arr = np.load(src, mmap_mode="r")
-            _save_atomic(dst, np.ascontiguousarray(arr[part.start : part.stop]))
-        result[kind] = dst
-    return result
+def batch_counts(rows: int, batch_size: int, world_size: int, drop_last: bool) -> Tuple[int, np.ndarray]:
+    """``(full batches over all ranks, size of each rank's last partial batch)`` for
+    ``rows`` rows - the split TorchRec's ``InMemoryBinaryCriteoIterDataPipe`` makes: full
+    batches in rounds of ``world_size``; without ``drop_last`` the rows left over are
+    shared out (sizes differing by at most one), and a remainder too small to give every
+    rank a row takes the last full round back into the share-out."""
+    full = rows // (batch_size * world_size) * world_size
+    last = np.zeros(world_size, dtype=np.int64)
+    left = rows - full * batch_size
+    if drop_last or left == 0:
+        return full, last
+    if left < world_size:  # not a row for every rank: share out the last full round too
+        full -= world_size
+        left += batch_size * world_size
+    last += left // world_size
+    last[: left % world_size] += 1
+    return full, last
+
+
+def _open(path: Path) -> np.ndarray:
+    # copy-on-write: memory-mapped (the files need not fit in memory, nothing is copied
+    # before a batch is made), and batches made from it are writable arrays for torch
+    return np.load(path, mmap_mode="c")
+
+
+def _make_multi_hot_pipe(pre: PreprocessedCriteo, parts: Sequence[RowRange], batch_size: int, rank: int,
+                         world_size: int, shuffle_batches: bool, drop_last: bool) -> IterableDataset:
+    from .multi_hot import MultiHotCriteoPipe, npz_member
+
+    sparse = {i: [npz_member(pre.sparse_paths[i], str(f)) for f in range(CAT_FEATURE_COUNT)]
+              for i in sorted({p.index for p in parts})}
+    full, last = batch_counts(sum(p.stop - p.start for p in parts), batch_size, world_size, drop_last)
+    return MultiHotCriteoPipe(
+        dense=[_open(pre.dense_paths[p.index])[p.start:p.stop] for p in parts],
+        sparse=[[m[p.start:p.stop] for m in sparse[p.index]] for p in parts],
+        labels=[_open(pre.labels_paths[p.index])[p.start:p.stop] for p in parts],
+        batch_size=batch_size, rank=rank, world_size=world_size, full=full, last=last,
+        shuffle_batches=shuffle_batches,
+    )
 
 
 def _make_pipe(
@@ -339,26 +557,40 @@ def _make_pipe(
     world_size: int,
     shuffle_batches: bool,
     drop_last: bool,
-) -> InMemoryBinaryCriteoIterDataPipe:
-    paths = [_part_paths(pre, p) for p in parts]
+) -> IterableDataset:
+    """TorchRec's pipe over row ranges of memory-mapped files, the files used in place.
+
+    TorchRec's pipe takes whole files only; it is built memory-mapped on the files of
+    ``parts`` (which reads nothing but headers), then narrowed to the rows of ``parts``."""
+    if pre.multi_hot_sizes is not None:
+        return _make_multi_hot_pipe(pre, parts, batch_size, rank, world_size, shuffle_batches, drop_last)
+    files = sorted({p.index for p in parts})
     rng_state = np.random.get_state()  # its __init__ reseeds the global NumPy RNG
     try:
-        return InMemoryBinaryCriteoIterDataPipe(
+        pipe = InMemoryBinaryCriteoIterDataPipe(
             # "train" for both splits: "val"/"test" would halve the first file we pass.
             stage="train",
-            dense_paths=[str(p["dense"]) for p in paths],
-            sparse_paths=[str(p["sparse"]) for p in paths],
-            labels_paths=[str(p["labels"]) for p in paths],
+            dense_paths=[str(pre.dense_paths[i]) for i in files],
+            sparse_paths=[str(pre.sparse_paths[i]) for i in files],
+            labels_paths=[str(pre.labels_paths[i]) for i in files],
             batch_size=batch_size,
             rank=rank,
             world_size=world_size,
             drop_last=drop_last,
             shuffle_batches=shuffle_batches,
-            # ids are already contiguous and < cardinality: no modulo hashing.
-            hashes=None,
+            mmap_mode=True,
+            # contiguous ids are < cardinality already; raw hashes are taken modulo these
+            hashes=list(pre.hashes) if pre.hashes is not None else None,
         )
     finally:
         np.random.set_state(rng_state)
+    pipe.dense_arrs = [_open(pre.dense_paths[p.index])[p.start : p.stop] for p in parts]
+    pipe.sparse_arrs = [_open(pre.sparse_paths[p.index])[p.start : p.stop] for p in parts]
+    pipe.labels_arrs = [_open(pre.labels_paths[p.index])[p.start : p.stop] for p in parts]
+    pipe.num_rows_per_file = [p.stop - p.start for p in parts]
+    pipe.num_full_batches, pipe.last_batch_sizes = batch_counts(
+        sum(pipe.num_rows_per_file), batch_size, world_size, drop_last)
+    return pipe
 
 
 def make_dataloaders(
@@ -383,9 +615,8 @@ def make_dataloaders(
     * ``shuffle_batches`` permutes rows within each training batch (TorchRec's option,
       drawn from the global NumPy RNG); evaluation is never shuffled.
 
-    Every rank loads the whole of both splits into memory (TorchRec's in-memory pipe reads
-    all files and skips other ranks' batches). Batches may share memory with those arrays:
-    do not modify them in place.
+    The files are memory-mapped and used in place (nothing is copied or loaded up front;
+    each rank reads the rows of its own batches), so a data set need not fit in memory.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} is invalid: must be an int >= 1")

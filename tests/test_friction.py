@@ -1,0 +1,108 @@
+"""The small things a new user trips over: the public API in ``dir()``, the README's
+trainer snippet that runs as written, log lines that say what happened (whole-table caches,
+one set of data/cache lines for ``compare``), a quiet ``sharding=auto``, and install docs
+that do not break torchx's pins."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torchrec import EmbeddingBagConfig
+
+from tests.test_cli import TINY, cli
+from torchrec_proactive.app.compose import compose_config
+from torchrec_proactive.app.model import cache_slots, describe_growth
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_dir_lists_the_public_api() -> None:
+    code = "import torchrec_proactive as t, sys; print(sorted(dir(t))); print('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 0, p.stderr
+    names, torch_loaded = p.stdout.splitlines()
+    for name in ("ProactiveEmbeddingBagCollectionSharder", "ProactiveTrainPipeline", "LinkModel", "__version__"):
+        assert f"'{name}'" in names, names
+    assert "'Any'" not in names and torch_loaded == "False"  # still lazy
+    import torchrec_proactive
+    from torchrec_proactive.fetch import LinkModel
+
+    assert torchrec_proactive.LinkModel is LinkModel
+    assert set(torchrec_proactive.__all__) <= set(dir(torchrec_proactive))
+
+
+def _snippet() -> str:
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- trainer-snippet -->\n```python\n(.*?)```\n<!-- /trainer-snippet -->", text, re.S)
+    assert block, "README.md lost its trainer snippet markers"
+    return block.group(1)
+
+
+def test_readme_snippet_says_what_users_must_know() -> None:
+    code = _snippet()
+    assert "fused_params = {" in code and "EmbOptimType" in code
+    assert "in_backward_optimizer_filter(model.named_parameters())" in code
+    assert "from torchrec_proactive import LinkModel" in code and "torchrec_proactive.fetch.LinkModel" in code
+
+
+@pytest.mark.multiprocess
+def test_readme_trainer_snippet_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "trainer.py"
+    script.write_text(_snippet())
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    p = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", str(script)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
+    lines = re.findall(r"rank (\d): loss ([\d.]+), eval loss ([\d.]+), hit rate ([\d.]+)", p.stdout)
+    assert sorted(r for r, *_ in lines) == ["0", "1"], p.stdout
+    assert all(math.isfinite(float(v)) for _, *values in lines for v in values)
+
+
+def test_fit_depth_log_says_whole_table() -> None:
+    cfg = compose_config(["experiment=ci_tiny"])  # batch 64, load factor 0.2: depth 2 pins 3 x 64 rows
+    tables = [EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=rows, feature_names=[n])
+              for n, rows in (("small", 100), ("medium", 500), ("big", 100_000))]
+    slots, notes = cache_slots(tables, cfg, world_size=1, local_size=1, depth=2)
+    assert slots == {"small": 100, "medium": 192}
+    assert notes == ["small: 20 -> 100 slots (whole table)", "medium: 100 -> 192 slots"]
+    assert "grown to hold 3 batches for 2 table(s), 1 of them to the whole table" in describe_growth(notes, 2)
+    _, small = cache_slots(tables[:1], cfg, 1, 1, 2)
+    assert "to the whole table (every row on the device, nothing to fetch) for 1 table(s)" in describe_growth(small, 2)
+
+
+@pytest.mark.multiprocess
+def test_compare_logs_data_and_caches_once_and_names_the_modes(tmp_path: Path) -> None:
+    run = cli("compare", "--nproc", "1", "experiment=ci_tiny", "train.max_steps=5", "train.eval=false",
+              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'cmp'}")
+    assert run.rc == 0, run
+    assert len(re.findall(r"\] data: \d+ training steps", run.err)) == 1, run
+    assert len(re.findall(r"\] cache\.fit_depth:", run.err)) == 1, run
+    assert "compare: reactive (prefetch off, depth 0) and proactive (depth 2)" in run.err, run
+
+
+@pytest.mark.multiprocess
+def test_sharding_auto_is_quiet(tmp_path: Path) -> None:
+    run = cli("train", "--nproc", "2", *TINY, "train.max_steps=2", "sharding=auto", f"data.root={tmp_path / 'd'}",
+              f"train.output_dir={tmp_path / 'out'}")
+    assert run.rc == 0, run
+    assert "torchrec.distributed.planner" not in run.err and "Warning" not in run.err, run
+
+
+def test_docs_do_not_break_torchxs_urllib3_pin() -> None:
+    # torchx 0.7.0 pins urllib3<1.27; the newest kubernetes client needs urllib3 2.x
+    docs = [REPO / "README.md", *REPO.glob("docs/**/*.md"), *REPO.glob("examples/**/*.md")]
+    pinned = False
+    for doc in docs:
+        for line in doc.read_text().splitlines():
+            pinned |= 'pip install "kubernetes==25.3.0"' in line
+            if re.search(r"pip install \"?kubernetes(?![=<])", line):  # unpinned: only as a warning
+                assert "urllib3" in line, f"{doc}: {line}"
+    assert pinned

@@ -1,0 +1,186 @@
+"""``train`` and ``compare`` as a Hydra application (``hydra.main`` over the packaged configs).
+
+Everything a Hydra user reaches for is Hydra's own: its argument parser (``-m/--multirun``,
+``--cfg job|hydra|all``, ``--resolve``, ``--info``, ``-cd/--config-dir``, ``--hydra-help``),
+its run and sweep directories (``hydra.run.dir``, ``hydra.sweep.dir``, ``hydra.job.chdir``),
+its search path (``--config-dir`` and ``hydra.searchpath`` *add* to the packaged configs)
+and its launcher: a sweep runs one job after another, and each job launches its own ranks
+into its own run directory under the sweep directory.
+
+Two things are ours, so that mistakes stay one line with exit code 2: every job's config
+is composed and validated against the schema before Hydra starts anything (a typo in the
+third job of a sweep fails before the first one trains), and a job's user error ends the
+process with that line instead of Hydra's report.
+
+Under torchrun/torchx (``WORLD_SIZE`` set) every process is one rank: runs use the compose
+API there (one run directory for all ranks, agreed by rank 0), and ``-m`` is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from .compose import (
+    CONFIG_NAME,
+    canonical_overrides,
+    compose_config,
+    packaged_config_dir,
+    uses_default_output_dir,
+    validate,
+)
+from .errors import EXIT_USAGE, UserError
+
+# Keys that name paths: under hydra.job.chdir=true the job runs inside its run directory,
+# so relative paths given on the command line are made absolute against the directory the
+# user started from (what hydra.utils.to_absolute_path does) before the ranks see them.
+PATH_KEYS = ("data.root", "data.preprocessed_dir", "train.output_dir", "train.checkpoint_dir")
+
+Report = Callable[[List[Any]], None]
+
+
+def hydra_parser(prog: str) -> Any:
+    """Hydra's own command-line parser, named after the subcommand in its usage line."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = prog
+    return parser
+
+
+def parse_hydra_argv(prog: str, argv: Sequence[str]) -> Tuple[Any, List[str]]:
+    """Hydra's parse of ``argv`` with options and overrides in any order (this CLI always
+    allowed ``train experiment=x --cfg job``), and ``argv`` in the order Hydra's own parse in
+    ``hydra.main`` accepts: options first, then the overrides."""
+    args = hydra_parser(prog).parse_intermixed_args(list(argv))
+    overrides = Counter(args.overrides)
+    options = []
+    for token in argv:
+        if overrides[token] > 0:
+            overrides[token] -= 1
+        else:
+            options.append(token)
+    return args, [*options, *args.overrides]
+
+
+def job_overrides(overrides: Sequence[str], multirun: bool) -> List[List[str]]:
+    """The overrides of every job Hydra's basic sweeper would launch (one list without
+    ``-m``). A sweep the basic sweeper cannot expand (another sweeper's ranges) is left for
+    that sweeper: those jobs are validated when they start."""
+    if not multirun:
+        return [list(overrides)]
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from .compose import _explain
+    from .errors import ConfigError
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ConfigError(_explain(e)) from e
+    try:
+        return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except HydraException:
+        return []
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _pinned(node: Any, overrides: Sequence[str], output_dir: str, original_cwd: str) -> List[str]:
+    """Overrides that give the ranks this job's run directory, and absolute paths when
+    Hydra changed the working directory (``hydra.job.chdir=true``)."""
+    from omegaconf import OmegaConf
+
+    pins = {}
+    if uses_default_output_dir(node, overrides):
+        pins["train.output_dir"] = output_dir
+    if os.path.realpath(os.getcwd()) != os.path.realpath(original_cwd):
+        for key in PATH_KEYS:
+            value = pins.get(key, OmegaConf.select(node, key))
+            if isinstance(value, str) and value and not os.path.isabs(value):
+                pins[key] = os.path.join(original_cwd, value)
+    for key, value in pins.items():
+        OmegaConf.update(node, key, value, merge=False)
+    return [f"{k}={_quote(v)}" for k, v in pins.items()]
+
+
+def _task(mode: str, nproc: int, config_dir: Optional[str], report: Report) -> Callable[[Any], None]:
+    def task(node: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from ..launch import RankFailure
+        from .entry import run_command
+
+        hc = HydraConfig.get()
+        overrides = list(hc.overrides.task)
+        # the search path the ranks compose with is the one this job was composed with
+        overrides += [o for o in hc.overrides.hydra if o.lstrip("+~").startswith("hydra.searchpath=")]
+        try:
+            overrides += _pinned(node, overrides, hc.runtime.output_dir, hc.runtime.cwd)
+            cfg = validate(node)
+            results = run_command(mode, overrides, nproc=nproc, config_dir=config_dir, cfg=cfg)
+        except UserError as e:  # one line, exit code 2, for every job of a sweep too
+            print(f"torchrec-proactive {mode}: error: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from None
+        except RankFailure as e:  # a bug or a crash: keep the traceback
+            print(f"torchrec-proactive {mode}: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+        report(results)
+
+    task.__module__ = __name__
+    task.__qualname__ = task.__name__ = mode
+    return task
+
+
+def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) -> int:
+    """Runs ``mode`` as a Hydra application on ``hydra_argv`` (Hydra's flags and overrides).
+
+    Raises :class:`~torchrec_proactive.app.errors.UserError` for a config mistake in any
+    job, before anything runs."""
+    from .entry import run_command, under_torchrun
+
+    from ..config.schema import register
+
+    register()  # the schema node the defaults list names, for Hydra's own composition too
+    prog = f"torchrec-proactive {mode}"
+    argv = canonical_overrides(hydra_argv)
+    if not any(a in ("-cd", "--config-dir") or a.startswith("--config-dir=") for a in argv) \
+            and os.environ.get("TORCHREC_PROACTIVE_CONFIG_DIR"):
+        argv = ["--config-dir", os.environ["TORCHREC_PROACTIVE_CONFIG_DIR"], *argv]
+    args, argv = parse_hydra_argv(prog, argv)  # argparse: a usage error exits with 2
+    if args.config_dir is not None:  # the ranks may start in another directory (hydra.job.chdir)
+        args.config_dir = os.path.abspath(args.config_dir)
+    if args.config_name is not None or args.config_path is not None:
+        raise UserError("--config-name/--config-path are not supported: the packaged configs are the primary "
+                        "config; add yours with --config-dir or hydra.searchpath")
+    inspecting = args.info is not None or args.help or args.hydra_help or args.shell_completion
+    if args.multirun and under_torchrun():
+        raise UserError("-m/--multirun launches its own ranks for each job; under torchrun/torchx every process "
+                        "is one rank: run the sweep outside torchrun")
+    if not inspecting:
+        for job in job_overrides(args.overrides, args.multirun):
+            compose_config(job, args.config_dir)  # ConfigError: one line, exit code 2
+    if under_torchrun() and not (inspecting or args.cfg):
+        report(run_command(mode, args.overrides, nproc=nproc, config_dir=args.config_dir))
+        return 0
+
+    import hydra
+
+    if not any(o.startswith("hydra.job.name=") for o in args.overrides):
+        argv = [*argv, f"hydra.job.name={mode}"]  # the job's log file is <run dir>/<mode>.log
+    app = hydra.main(config_path=str(packaged_config_dir()), config_name=CONFIG_NAME,
+                     version_base="1.3")(_task(mode, nproc, args.config_dir, report))
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        app()
+    finally:
+        sys.argv = saved
+    return 0
+
