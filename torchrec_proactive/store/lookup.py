@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InvalidInputError
+from .optimizers import clip_output_gradient
 from .tiered_table import FetchPlan, TieredTable, unique_rows
 
 
@@ -139,16 +140,22 @@ def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torc
     # weight: the pooled sums run in value order whichever tier holds a row, so results
     # are bit-identical for any cache size and depth.
     weight = batch.plan.lookup_weight()
+    slot_ids = batch.slot_ids
+    if weight.dtype != torch.float32:
+        # A table stored in FP16 pools in FP32, as FBGEMM's TBE does (its output is FP32):
+        # the values' rows are gathered and widened first.
+        weight = weight.index_select(0, slot_ids).float()
+        slot_ids = torch.arange(slot_ids.numel(), device=weight.device)
     if batch.bag_of_value is None:
         # One value per bag: its sum and its mean are the row itself (exactly), and a
         # gather is several times cheaper than embedding_bag.
-        pooled = weight.index_select(0, batch.slot_ids)
+        pooled = weight.index_select(0, slot_ids)
         return pooled if per_sample_weights is None else pooled * per_sample_weights.unsqueeze(1)
     # FBGEMM's weighted mean, which stock TorchRec computes whenever a KJT with weights
     # reaches a mean-pooled table, is sum(w * row) / length; F.embedding_bag weighs sums only.
     weighted_mean = batch.mode == "mean" and per_sample_weights is not None
     pooled = F.embedding_bag(
-        batch.slot_ids, weight, batch.offsets, mode="sum" if weighted_mean else batch.mode,
+        slot_ids, weight, batch.offsets, mode="sum" if weighted_mean else batch.mode,
         per_sample_weights=per_sample_weights, include_last_offset=True,
     )
     if weighted_mean:
@@ -213,6 +220,7 @@ class _GroupLookup(torch.autograd.Function):
         for i, (batch, g, w) in enumerate(zip(batches, grad_outs, weights)):
             if g is None:  # output unused by the loss: zero gradient, as for a resident table
                 g = torch.zeros(batch.num_bags, batch.table.dim, device=batch.table.device)
+            g = clip_output_gradient(batch.table.optimizer, g)  # FBGEMM's gradient_clipping
             k = weighted.index(i) if w is not None else -1
             row_grads, grad_psw = _row_grads(batch, g, w, bool(k >= 0 and want_psw[k]))
             grads.append(row_grads)
