@@ -44,8 +44,9 @@ def _build(sharder, sharding: str, kernel: str, tables, seed_state, lr_gamma: Op
     return dmp, opt, sched
 
 
-def _train(pipeline, batches, sched) -> List[torch.Tensor]:
-    """The logits of every step (what a TorchRec pipeline's ``progress`` returns)."""
+def _train(pipeline, batches, sched, opt=None, hyper: Optional[Dict[str, float]] = None) -> List[torch.Tensor]:
+    """The logits of every step (what a TorchRec pipeline's ``progress`` returns); ``hyper``
+    goes to ``opt.update_hyper_parameters`` after the fourth step."""
     it = iter(batches)
     outputs = []
     while True:
@@ -55,11 +56,13 @@ def _train(pipeline, batches, sched) -> List[torch.Tensor]:
             return outputs
         if sched is not None:
             sched.step()
+        if hyper and len(outputs) == 4:
+            opt.update_hyper_parameters(dict(hyper))
 
 
 def train_vs_stock(rank: int, world_size: int, fused: Dict[str, Any], data_type: str = "fp32",
                    sharding: str = "table_wise", steps: int = 10, load_factor: float = 0.1, depth: int = 2,
-                   lr_gamma: Optional[float] = None) -> Dict[str, Any]:
+                   lr_gamma: Optional[float] = None, hyper: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
     """Trains stock TorchRec and proactive tables on the same batches; returns the largest difference of any step's logits, of any table entry (and of any fused optimizer state entry)."""
     tables = _tables(data_type)
     torch.manual_seed(123)
@@ -72,7 +75,7 @@ def train_vs_stock(rank: int, world_size: int, fused: Dict[str, Any], data_type:
 
     stock = EmbeddingBagCollectionSharder(fused_params=dict(fused))
     dmp, opt, sched = _build(stock, sharding, "fused", tables, seed_state, lr_gamma)
-    stock_out = _train(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches, sched)
+    stock_out = _train(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches, sched, opt, hyper)
     stock_params = _params(dmp)
     stock_state = _flat_state(opt)
     stock_lr = [g["lr"] for g in opt.param_groups]
@@ -80,7 +83,8 @@ def train_vs_stock(rank: int, world_size: int, fused: Dict[str, Any], data_type:
     sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), cache_load_factor=load_factor,
                                                       debug_checks=True)
     dmp, opt, sched = _build(sharder, sharding, "fused_uvm_caching", tables, seed_state, lr_gamma)
-    out = _train(ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=depth), batches, sched)
+    out = _train(ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=depth), batches, sched, opt,
+                 hyper)
     params = _params(dmp)
     state = _flat_state(opt)
     dmp.module.ebc.check_invariants(expect_drained=True)
@@ -94,6 +98,7 @@ def train_vs_stock(rank: int, world_size: int, fused: Dict[str, Any], data_type:
         "stock_dtypes": sorted({str(stock_params[k].dtype) for k in table_keys}),
         "table_diff": max(float((params[k].float() - stock_params[k].float()).abs().max()) for k in table_keys),
         "state_diff": max([float((state[k].float() - stock_state[k].float()).abs().max()) for k in stock_state] or [0.0]),
+        "eps": [k.optimizer_config.eps for k in dmp.module.ebc.proactive_kernels],
         "lrs": [g["lr"] for g in opt.param_groups],
         "stock_lrs": stock_lr,
     }

@@ -125,6 +125,37 @@ def test_fp16_tables_match_fbgemm_cpu_tbe(optim, slots):
         _assert_same_as_tbe(table, tbe, rtol=8 * 2**-10, atol=2**-14)
 
 
+@pytest.mark.parametrize("optim", [OptimType.EXACT_SGD, OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+def test_fp16_tables_are_bit_identical_across_depths_caches_and_overflow(optim):
+    """The FP16 rule (FP32 arithmetic, one rounding) gives the same bits whatever holds a row:
+    any prefetch depth, any cache size, and rows served from the host tier (overflow)."""
+    from torchrec_proactive.store import plan_table_batch, pooled_lookup
+
+    batches = zipf_batches(10, seed=21)
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(2)).half()
+    cfg = OptimizerConfig(optim, learning_rate=0.05, eps=1e-3, weight_decay=0.1, weight_decay_mode=WeightDecayMode.L2)
+    ws = max(int(torch.unique(b[0]).numel()) for b in batches)
+    results = []
+    for depth, slots in [(0, ROWS), (0, ws), (2, 3 * ws), (4, 5 * ws + 7)]:
+        table = TieredTable("t", init.clone(), cfg, num_slots=slots)
+        train_store(table, FetchEngine(InlineTransport()), batches, depth)
+        FetchEngine().flush([table])
+        results.append((table.host_weight.clone(), {k: v.clone() for k, v in table.host_state.items()}))
+    # A cache of 5 slots: most of every batch is read from and updated in the host tier.
+    table = TieredTable("t", init.clone(), cfg, num_slots=5)
+    anchor = torch.empty(0, requires_grad=True)
+    for values, offsets, _, grad in batches:
+        tb = plan_table_batch(table, values, offsets, overflow=True)
+        FetchEngine().run([tb.plan])
+        pooled_lookup(tb, anchor).backward(grad)
+    FetchEngine().flush([table])
+    results.append((table.host_weight.clone(), {k: v.clone() for k, v in table.host_state.items()}))
+    w0, s0 = results[0]
+    assert w0.dtype == torch.float16 and not torch.equal(w0, init)
+    for w, st in results[1:]:
+        assert torch.equal(w, w0) and all(torch.equal(st[k], s0[k]) for k in s0)
+
+
 def _adam_reference(w, g_steps, lr, eps, b1, b2, wd):
     """FBGEMM's CUDA Adam (its CPU TBE has none), element by element, steps 1..n."""
     m1 = torch.zeros_like(w)
@@ -250,14 +281,17 @@ def test_fp16_update_with_the_cuda_rule_rounds_the_fp32_result_once():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("optim", ["exact_sgd", "exact_adagrad", "exact_row_wise_adagrad"])
 def test_weight_decay_clipping_and_lr_scheduler_match_stock_torchrec(optim):
-    """fused_params with weight_decay=0.3, gradient clipping and a StepLR over the combined
-    optimizer: the same logits every step and the same tables as stock TorchRec (1 rank)."""
+    """fused_params with weight_decay=0.3, gradient clipping, a StepLR over the combined
+    optimizer and ``update_hyper_parameters`` (eps, weight_decay) mid-run: the same logits
+    every step and the same tables and state as stock TorchRec (1 rank)."""
     fused = {"optimizer": optim, "learning_rate": 0.05, "eps": 1e-3, "weight_decay": 0.3,
              "gradient_clipping": True, "max_gradient": 0.002}
-    (res,) = run_ranks(optimizer_worker.train_vs_stock, world_size=1, fused=fused, lr_gamma=0.5)
+    (res,) = run_ranks(optimizer_worker.train_vs_stock, world_size=1, fused=fused, lr_gamma=0.5,
+                       hyper={"eps": 1e-2, "weight_decay": 0.5})
     assert res["steps"] == 10 and res["same_keys"]
     assert res["out_diff"] < 1e-6 and res["table_diff"] < 1e-6 and res["state_diff"] < 1e-6, res
     assert res["lrs"] == pytest.approx(res["stock_lrs"]) and res["lrs"][0] == pytest.approx(0.05 * 0.5**5)
+    assert res["eps"] and all(e == 1e-2 for e in res["eps"]), res["eps"]  # the change reached the tables
 
 
 @pytest.mark.multiprocess
