@@ -167,13 +167,13 @@ def test_the_training_thread_never_reads_device_data(optim):
 
 
 def test_the_detector_catches_a_planted_item_in_the_lookup(monkeypatch):
-    real = lookup_module._value_rows
+    real = lookup_module._pool
 
-    def reads_a_value(batch):
+    def reads_a_value(batch, weights):
         int(batch.slot_ids.max().item())  # the kind of line that would stall a GPU step
-        return real(batch)
+        return real(batch, weights)
 
-    monkeypatch.setattr(lookup_module, "_value_rows", reads_a_value)
+    monkeypatch.setattr(lookup_module, "_pool", reads_a_value)
     with fake_cuda():
         table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=1000, device="cuda")
         ids = torch.randint(0, ROWS, (64,), device="cuda")

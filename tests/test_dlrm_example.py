@@ -15,6 +15,7 @@ bit-identically to A (per-step losses, final parameters and optimizer state, eva
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Dict, List
@@ -81,8 +82,10 @@ def _scenario(rank: int, world_size: int, root: str) -> Dict[str, Any]:
 
     ra, rc = Path(root) / "A", Path(root) / "B"
     la, lc = _losses(ra, rank), _losses(rc, rank)
-    final_a = torch.load(Path(a["last_checkpoint"]) / f"rank_{rank:05d}.pt", weights_only=False)
-    final_c = torch.load(Path(c["last_checkpoint"]) / f"rank_{rank:05d}.pt", weights_only=False)
+    # Whole tensors (no template): every table and state entry as saved, on every rank.
+    reader = Checkpointer(Path(root), rank, world_size, keep=2, log=logging.getLogger("test"))
+    final_a = reader.load(Path(a["last_checkpoint"]), None, "cpu")
+    final_c = reader.load(Path(c["last_checkpoint"]), None, "cpu")
     ta = _tensors({"model": final_a["model"], "optimizer": final_a["optimizer"]})
     tc = _tensors({"model": final_c["model"], "optimizer": final_c["optimizer"]})
     unequal = sorted(k for k in ta if k not in tc or not torch.equal(ta[k], tc[k]))

@@ -31,7 +31,8 @@ ROWS, DIM, BAGS, MAX_LEN = 200, 8, 12, 4
 OPTIMS = [
     OptimizerConfig(OptimType.EXACT_SGD, learning_rate=0.1),
     OptimizerConfig(OptimType.EXACT_ADAGRAD, learning_rate=0.1),
-    OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1, weight_decay=0.01),
+    # (weight decay reaches row-wise Adagrad only through FBGEMM's weight_decay_mode)
+    OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1, weight_decay=0.01, weight_decay_mode=1),
     OptimizerConfig(OptimType.ADAM, learning_rate=0.01, weight_decay=0.01),
 ]
 

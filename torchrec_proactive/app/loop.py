@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..config.schema import Config
 from .autodepth import agree, cache_depth_limit, choose_depth
-from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .checkpoint import Checkpointer, fused_optimizer_step, restore_param_groups, rng_state, set_rng_state
 from .compose import config_hash, flatten
 from .data import Loaders
 from .env import RankEnv
@@ -111,17 +111,26 @@ class Trainer:
         if path is None:
             self.log.info("train.resume: no complete checkpoint in %s, starting from scratch", self.ckpt.directory)
             return
-        state = self.ckpt.load(path, flatten(self.cfg), self.env.device)
-        self.dmp.load_state_dict(state["model"])
-        if len(self.optimizer.state) != len(state["optimizer"]["state"]):
+        if any(k.startswith("optimizer.") for k in self.ckpt.unplaced_keys(path, self._checkpoint_state())):
             # KeyedOptimizer loads only into initialised state (Adam's is created lazily).
             self.optimizer.init_state()
             self.optimizer.zero_grad()
-        self.optimizer.load_state_dict(state["optimizer"])
+        # DCP loads into the live state dicts (each rank's shards, whatever world size saved
+        # them); the load_state_dict calls then let the modules take them in (caches dropped).
+        template = self._checkpoint_state()
+        state = self.ckpt.load(path, flatten(self.cfg), self.env.device, template=template)
+        self.dmp.load_state_dict(state["model"])
+        optimizer_state = template["optimizer"]
+        if "param_groups" in optimizer_state:
+            optimizer_state["param_groups"] = restore_param_groups(
+                optimizer_state["param_groups"], [r.get("param_groups", []) for r in state["saved_ranks"]])
+        self.optimizer.load_state_dict(optimizer_state)
         self.pos = Position(**state["position"])
         # FBGEMM's convention, which TorchRec's fused optimizers follow: the step counter
-        # (Adam's bias correction) is not in the optimizer state; every step updated it once.
-        self.optimizer.set_optimizer_step(self.pos.step)
+        # (Adam's bias correction) is not in the optimizer state. It advances on every
+        # forward, evaluation included, so the checkpoint carries its value.
+        saved_step = state.get("optimizer_step")  # None: no fused table on the saving rank
+        self.optimizer.set_optimizer_step(self.pos.step if saved_step is None else saved_step)
         self.epoch_np_state = state["epoch_np_state"]
         set_rng_state(state["rng"])
         for key, value in state.get("summary", {}).items():  # checkpoints before 0.1.x have none
@@ -137,15 +146,23 @@ class Trainer:
         self.log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.pos.step,
                       self.pos.epoch, self.pos.batch_in_epoch)
 
-    def save(self) -> None:
+    def _checkpoint_state(self) -> Dict[str, Any]:
+        """The tensors a checkpoint holds: the model's and the optimizers' (fused and dense)
+        state dicts. Both read the host tier after flushing the caches into it."""
+        optimizer = self.optimizer.state_dict()  # param_groups only when the optimizer saves them
+        return {"model": self.dmp.state_dict(), "optimizer": dict(optimizer)}
+
+    def save(self, optimizer_step: Optional[int] = None) -> None:
+        """``optimizer_step``: the fused step counter to record (default: its value now)."""
         if self.ckpt is None:
             return
-        # Both state_dicts read the host tier after flushing the caches into it.
-        model_state = self.dmp.state_dict()
+        state = self._checkpoint_state()
         payload = {
-            "model": model_state,
-            "optimizer": self.optimizer.state_dict(),
+            "model": state["model"],
+            "optimizer": {"state": state["optimizer"]["state"]},
+            "param_groups": state["optimizer"].get("param_groups", []),  # per rank: each names its own shards
             "position": asdict(self.pos),
+            "optimizer_step": fused_optimizer_step(self.dmp) if optimizer_step is None else optimizer_step,
             "epoch_np_state": self.epoch_np_state,
             "rng": rng_state(),
             "config_hash": config_hash(self.cfg),
@@ -153,7 +170,8 @@ class Trainer:
             | {"depth": self.pipeline.prefetch_depth},
         }
         extra = {"position": asdict(self.pos), "config": flatten(self.cfg)}
-        self.summary.last_checkpoint = str(self.ckpt.save(self.pos.step, payload, extra))
+        self.summary.last_checkpoint = str(self.ckpt.save(
+            self.pos.step, payload, extra, per_rank=("param_groups", "optimizer_step", "epoch_np_state", "rng", "summary")))
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> Summary:
@@ -194,9 +212,13 @@ class Trainer:
             if epoch_done:
                 pos.epoch, pos.batch_in_epoch, self._batches = pos.epoch + 1, 0, None
             if epoch_done or pos.step == self.total:
+                # The fused step counter advances on every forward (FBGEMM's rule). An eval
+                # that runs only because this run ends here is not one an uninterrupted run
+                # makes: its checkpoint keeps the counter from before it.
+                counter = None if epoch_done else fused_optimizer_step(self.dmp)
                 if cfg.train.eval:
                     self.evaluate()
-                self.save()
+                self.save(optimizer_step=counter)
             elif cfg.train.checkpoint_every and pos.step % cfg.train.checkpoint_every == 0:
                 self.save()
 

@@ -495,6 +495,9 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"{planned.num_values} ids) is not the batch being looked up (stride {features.stride()}, "
                 f"{features.values().numel()} ids)"
             )
+        # FBGEMM's TBE advances its step counter (Adam's bias correction) on every forward,
+        # training or not; the batch's update uses the value of its own forward.
+        self.store.count_forward(planned.batch.plan)
         # Only a training forward may update the rows: in eval mode the lookup is read-only
         # and releases its pins at once, with or without torch.no_grad().
         pooled = pooled_lookup_group([planned.batch], self._anchor, [planned.weights], train=self.training)[0]

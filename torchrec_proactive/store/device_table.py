@@ -81,6 +81,7 @@ class DeviceFetchPlan:
     # Host copies of ``counts``, once someone who may wait has read them.
     sizes: Optional[Tuple[int, int, int, int]] = None
     row_bound: int = field(default=0)  # what the host counts this plan as pinning
+    optimizer_step: int = 0  # as the batch's forward advanced it (see TieredTable.count_forward)
 
     # -- the FetchPlan protocol (lookup.py, the fetch engine, the kernel's statistics)
     def device_slots(self) -> torch.Tensor:
@@ -424,17 +425,13 @@ class DeviceTieredTable(TieredTable):
             raise InvalidInputError(
                 f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match ({plan.n}, {self.dim})"
             )
-        # The step count on the host, so that reading it is no device read (and no read of
-        # a tensor at all: under the sync detector host tensors are fake too).
-        self._host_step = self.step_count() + 1
-        self.steps.fill_(self._host_step)
-        step = self._host_step
+        step = plan.optimizer_step or self._advance_step()  # (FBGEMM's rule: see count_forward)
         if plan.overflow_rows is None or plan.num_overflow == 0:
-            self._masked_update(plan.slots, row_grads, step, ok)
+            self._masked_update(plan.slots, row_grads, step, ok, plan.rows)
         else:  # overflow (its sizes were read when it was planned): the exact host path
             in_cache = plan.slots < plan.overflow_base
             cached = torch.where(in_cache, plan.slots, self.trash)
-            self._masked_update(cached, row_grads * in_cache.unsqueeze(1), step, ok)
+            self._masked_update(cached, row_grads * in_cache.unsqueeze(1), step, ok, plan.rows)
             over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)  # type: ignore[union-attr]
             ranks = (plan.slots - plan.overflow_base).clamp(min=0)
             order = torch.argsort(torch.where(in_cache, plan.n, ranks), stable=True).narrow(0, 0, plan.num_overflow)
@@ -445,6 +442,18 @@ class DeviceTieredTable(TieredTable):
         self.d_dirty.narrow(0, self.trash, 1).fill_(False)
         self.stats.updates += 1
         self.release(plan)
+
+    def count_forward(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
+        """The base class's rule (the step counter advances on every forward, as FBGEMM's),
+        counted on the host so that no tensor is read."""
+        plan.optimizer_step = self._advance_step()
+
+    def _advance_step(self) -> int:
+        # The step count lives on the host: reading it is no device read (and no read of a
+        # tensor at all: under the sync detector, host tensors are fake too).
+        self._host_step = self.step_count() + 1
+        self.steps.fill_(self._host_step)
+        return self._host_step
 
     def step_count(self) -> int:
         """Optimizer steps taken, kept on the host; re-read from ``steps`` after a load
@@ -471,9 +480,10 @@ class DeviceTieredTable(TieredTable):
         (never waits: see ``AsyncCount``)."""
         return self.skipped_updates.poll()
 
-    def _masked_update(self, slots: torch.Tensor, grads: torch.Tensor, step: int, ok: Optional[torch.Tensor]) -> None:
+    def _masked_update(self, slots: torch.Tensor, grads: torch.Tensor, step: int, ok: Optional[torch.Tensor],
+                       rows: torch.Tensor) -> None:
         if ok is None:
-            self._update_cache(slots, grads, step)
+            self._update_cache(slots, grads, step, rows)
             return
         # Update gathered copies, then keep them only where ``ok`` holds: fixed-shape, so a
         # skipped update needs no host decision.
@@ -481,8 +491,7 @@ class DeviceTieredTable(TieredTable):
         state = {k: v.index_select(0, slots) for k, v in self.cache_state.items()}
         new_w, new_s = weight.clone(), {k: v.clone() for k, v in state.items()}
         local = torch.arange(slots.shape[0], device=slots.device)
-        update_rows(self.optimizer, new_w, new_s, local,
-                    grads if grads.dtype == new_w.dtype else grads.to(new_w.dtype), step)
+        update_rows(self.optimizer, new_w, new_s, local, grads, step, self._stochastic_rows(rows, self.device))
         self.cache_weight.index_copy_(0, slots, torch.where(ok, new_w, weight))
         for k in state:
             self.cache_state[k].index_copy_(0, slots, torch.where(ok, new_s[k], state[k]))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .errors import InvalidInputError
 from .device_table import DeviceTieredTable
 from .fixed_shape import segment_sum
+from .optimizers import clip_output_gradient
 from .tiered_table import FetchPlan, TieredTable, unique_rows
 
 
@@ -176,16 +177,19 @@ def _value_rows(batch: TableBatch) -> torch.Tensor:
 def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torch.Tensor:
     # The pooled sums run in value order whichever tier holds a row, so results are
     # bit-identical for any cache size and depth.
-    overflowed = batch.plan.overflow_weight is not None
+    weight, index = batch.plan.lookup_weight(), batch.slot_ids
+    materialized = weight.dtype != torch.float32 or batch.plan.overflow_weight is not None
+    if materialized:
+        # Pool the values' own rows (value i is row i): a table stored in FP16 pools in FP32,
+        # as FBGEMM's TBE does (its output is FP32), and a plan that overflowed reads some
+        # rows from outside the cache - never a copy of the cache either way.
+        weight = _value_rows(batch).float()
+        index = torch.arange(index.shape[0], device=index.device)
     if batch.bag_of_value is None:
         # One value per bag: its sum and its mean are the row itself (exactly), and a
         # gather is several times cheaper than embedding_bag.
-        pooled = _value_rows(batch)
+        pooled = weight if materialized else weight.index_select(0, index)
         return pooled if per_sample_weights is None else pooled * per_sample_weights.unsqueeze(1)
-    if overflowed:  # pool the batch's own rows (value i is row i), not the cache
-        weight, index = _value_rows(batch), torch.arange(batch.slot_ids.shape[0], device=batch.slot_ids.device)
-    else:
-        weight, index = batch.plan.lookup_weight(), batch.slot_ids
     # FBGEMM's weighted mean, which stock TorchRec computes whenever a KJT with weights
     # reaches a mean-pooled table, is sum(w * row) / length; F.embedding_bag weighs sums only.
     weighted_mean = batch.mode == "mean" and per_sample_weights is not None
@@ -286,6 +290,7 @@ def update_group(
     for i, (batch, g, w) in enumerate(zip(batches, grad_outs, weights)):
         if g is None:  # output unused by the loss: zero gradient, as for a resident table
             g = torch.zeros(batch.num_bags, batch.table.dim, device=batch.table.device)
+        g = clip_output_gradient(batch.table.optimizer, g)  # FBGEMM's gradient_clipping
         k = weighted.index(i) if w is not None else -1
         row_grads, grad_psw = _row_grads(batch, g, w, bool(k >= 0 and want_psw[k]))
         grads.append(row_grads)

@@ -65,6 +65,9 @@ class FetchPlan:
     # (``num_slots + j`` for ``overflow_rows[j]``) so one lookup serves both kinds.
     overflow_rows: Optional[torch.Tensor] = None
     preload: bool = False  # the fills include the rows resident from the start
+    # The table's step counter as this batch's forward advanced it (0: no forward counted it,
+    # the update then advances the counter itself). See ``TieredTable.count_forward``.
+    optimizer_step: int = 0
     num_preloaded: int = 0  # how many of the fills those are
     # How far the data moves got: "planned" -> "written_back" -> "done". Set by whoever
     # moves the bytes (a transport); read by ``TieredTable.rollback`` after a failure.
@@ -232,8 +235,10 @@ class TieredTable:
                 pin = self.device.type == "cuda" and torch.cuda.is_available()
                 given = torch.zeros(want, dtype=torch.float32, pin_memory=pin)
             self.host_state[key] = given
-        # Optimizer steps taken on this table (Adam's bias correction). A tensor, so that the
-        # optimizer state handed to checkpoints *is* the counter, never a copy of it.
+        # The table's optimizer step counter (FBGEMM's TBE ``iter``: Adam's bias correction,
+        # and the step that keys stochastic rounding). As in FBGEMM it advances on every
+        # forward, eval included (``count_forward``); an update no forward counted advances it
+        # itself. A tensor, so that whoever hands it out *is* the counter, never a copy of it.
         self.steps = torch.zeros((), dtype=torch.int64)
         self.segments: List[Segment] = list(segments or [Segment(name, 0, self.num_rows, row_offset, global_rows)])
         if sum(seg.num_rows for seg in self.segments) != self.num_rows:
@@ -298,6 +303,12 @@ class TieredTable:
     @step.setter
     def step(self, value: int) -> None:
         self.steps.fill_(int(value))
+
+    def count_forward(self, plan: FetchPlan) -> None:
+        """A forward looks up ``plan``: advance the step counter, as FBGEMM's TBE does on
+        every forward (training or not), and keep the value for the plan's update."""
+        self.steps += 1
+        plan.optimizer_step = int(self.steps)
 
     # ------------------------------------------------------------------ planning
     def validate_rows(self, rows: torch.Tensor) -> None:
@@ -575,27 +586,42 @@ class TieredTable:
                 f"table '{self.name}': non-finite gradient reached the store; "
                 f"the update was skipped and the table is unchanged"
             )
-        self.steps += 1
-        step = int(self.steps)
+        step = plan.optimizer_step
+        if not step:  # looked up without a counted forward (store-level callers)
+            self.steps += 1
+            step = int(self.steps)
         if not plan.num_overflow:
-            self._update_cache(plan.device_slots(), row_grads, step)
+            self._update_cache(plan.device_slots(), row_grads, step, plan.rows)
             self._dirty[plan.slots.numpy()] = True
         else:
             in_cache = plan.slots < self.num_slots
-            self._update_cache(plan.slots[in_cache].to(self.device), row_grads[in_cache.to(row_grads.device)], step)
+            self._update_cache(plan.slots[in_cache].to(self.device), row_grads[in_cache.to(row_grads.device)], step,
+                               plan.rows[in_cache])
             self.dirty[plan.slots[in_cache]] = True
             self._update_host(plan.overflow_rows, row_grads[(~in_cache).to(row_grads.device)], step)
         self.stats.updates += 1
         self.release(plan)
 
-    def _update_cache(self, slots: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        update_rows(self.optimizer, self.cache_weight, self.cache_state, slots,
-                    grads if grads.dtype == self.cache_weight.dtype else grads.to(self.cache_weight.dtype), step)
+    def _update_cache(self, slots: torch.Tensor, grads: torch.Tensor, step: int, rows: torch.Tensor) -> None:
+        # The gradients stay FP32 whatever the table's dtype: FBGEMM computes the update in
+        # FP32 and rounds the new row once (``update_rows``).
+        update_rows(self.optimizer, self.cache_weight, self.cache_state, slots, grads, step,
+                    self._stochastic_rows(rows, self.device))
 
     def _update_host(self, rows: torch.Tensor, grads: torch.Tensor, step: int) -> None:
-        # Overflow rows live only in the host tier until this update: the same rule, there.
+        # Overflow rows live only in the host tier until this update: the same rule, there,
+        # rounded as the cache would round them (so the cache size never changes a result).
         update_rows(self.optimizer, self.host_weight, self.host_state, rows,
-                    grads.to(device=self.host_weight.device, dtype=self.host_weight.dtype), step)
+                    grads.to(self.host_weight.device), step, self._stochastic_rows(rows, self.host_weight.device))
+
+    def _stochastic_rows(self, rows: torch.Tensor, where: torch.device) -> Optional[torch.Tensor]:
+        """The row ids keying stochastic rounding when FBGEMM's CUDA kernels would round the
+        table's updates stochastically (FP16 tables with ``stochastic_rounding`` on a CUDA
+        device); None where FBGEMM rounds to nearest (its CPU kernel ignores the flag)."""
+        if not (self.device.type == "cuda" and self.optimizer.stochastic_rounding
+                and self.cache_weight.dtype == torch.float16):
+            return None
+        return rows.to(where)
 
     def release_later(self, plan: "FetchPlan") -> None:
         """Asks for ``plan`` to be released at the store's next operation. For finalizers,
