@@ -243,3 +243,21 @@ def test_the_kernel_maps_ids_to_store_rows_on_the_device_without_host_reads():
         rows = device_store_rows(torch.randint(0, 100, (60,), device="cuda"), torch.arange(0, 61, 2.5, device="cuda").long(),
                                  stride, feature_start, torch.zeros(4, dtype=torch.int64, device="cuda"))
         assert rows.device.type == "cuda" and rows.shape == (60,)
+
+
+def test_fp16_tables_train_the_same_on_both_planners():
+    """FP16 storage, FP32 update rounded once (FBGEMM's rule): the device planner's masked,
+    fixed-shape update rounds exactly as the host planner's does."""
+    batches = _batches(steps=6)
+    results = []
+    for table_type, slots, depth in ((TieredTable, ROWS, 0), (DeviceTieredTable, 400, 2), (DeviceTieredTable, 30, 1)):
+        torch.manual_seed(0)
+        table = table_type("t", torch.randn(ROWS, DIM).half(), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD,
+                                                                               learning_rate=0.05), num_slots=slots)
+        engine = FetchEngine()
+        anchor = torch.empty(0, requires_grad=True)
+        run_lookahead(table, engine, batches, depth, lambda i, tb, b: pooled_lookup(tb, anchor).backward(b[3]))
+        engine.flush([table])
+        results.append(table.host_weight.clone())
+    assert results[0].dtype == torch.float16
+    assert all(torch.equal(r, results[0]) for r in results[1:])
