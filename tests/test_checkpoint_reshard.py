@@ -53,7 +53,8 @@ def test_the_apps_run_saved_on_two_ranks_resumes_on_one_and_on_two(tmp_path: Pat
     for world_size in (1, 2):
         for res in run_ranks(checkpoint_worker.app_resume_loads, world_size=world_size, timeout_s=600,
                              root=str(tmp_path), out="R"):
-            assert res["step"] == 10
+            # The same point of the epoch in samples: 10 steps of 2 ranks are 20 steps of 1.
+            assert res["step"] == 10 * 2 // world_size
             got = res["whole"]
             assert sorted(got) == sorted(want), (world_size, sorted(set(got) ^ set(want))[:5])
             unequal = [k for k in want if not np.array_equal(got[k], want[k])]
@@ -80,3 +81,41 @@ def test_no_source_file_unpickles_with_weights_only_false():
     offenders = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
                  if ".venv" not in p.parts and p.name != Path(__file__).name and pattern.search(p.read_text())]
     assert not offenders, offenders
+
+
+def test_a_position_moves_to_another_world_size_in_samples():
+    from torchrec_proactive.app.loop import Position, rescale_position
+
+    # 2 ranks, 18 steps an epoch; 1 rank: 36. Step 20 = epoch 1, batch 2 -> 4 batches of 1 rank.
+    assert rescale_position(Position(20, 1, 2), 2, 1, 36) == Position(36 + 4, 1, 4)
+    assert rescale_position(Position(40, 1, 4), 1, 2, 18) == Position(18 + 2, 1, 2)
+    assert rescale_position(Position(41, 1, 5), 1, 2, 18) == Position(18 + 2, 1, 2)  # (rounded down)
+    assert rescale_position(Position(36, 2, 0), 2, 1, 36) == Position(72, 2, 0)
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_or_altered_checkpoint_is_refused_in_one_line(tmp_path: Path):
+    """A truncated tensor file or a manifest whose step was changed: a CheckpointError (one
+    line, exit 2 at the CLI) naming the checkpoint and the intact ones left."""
+    import json
+
+    from torchrec_proactive.app.checkpoint import Checkpointer
+    from torchrec_proactive.app.errors import CheckpointError, UserError
+
+    res = run_ranks(checkpoint_worker.app_run, world_size=1, timeout_s=600, root=str(tmp_path), out="D",
+                    overrides=["train.max_steps=6", "train.checkpoint_every=3"])[0]
+    directory = Path(res["summary"]["last_checkpoint"]).parent
+    ckpt = Checkpointer(directory, rank=0, world_size=1, keep=3, log=__import__("logging").getLogger("t"))
+    last = ckpt.latest()
+    assert last is not None and last.name == "step_00000006"
+    manifest = json.loads((last / "MANIFEST.json").read_text())
+    manifest["position"]["step"] = 99999
+    (last / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="says step 99999, the directory says step_00000006"):
+        ckpt.manifest(last)
+    earlier = ckpt.complete()[0]
+    data = next(earlier.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"{earlier.name}: cannot be read, it is damaged") as info:
+        ckpt.load(earlier, None)
+    assert isinstance(info.value, UserError) and "\n" not in str(info.value)

@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from .compose import diff
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .rundir import LATEST, MANIFEST, complete_checkpoints, latest_checkpoint
 
 FORMAT = 2  # 1: one torch.save file per rank (same world size only, unpickled on load)
@@ -160,13 +161,13 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             with self.fs.create_stream(path, "rb") as fh:
                 metadata = _MetadataUnpickler(fh).load()
         except (pickle.UnpicklingError, AttributeError, ImportError) as err:
-            raise ValueError(f"{path}: not a tensor checkpoint this program wrote ({err}); refusing to load it") from None
+            raise CheckpointError(f"{path}: not a tensor checkpoint this program wrote ({err}); refusing to load it") from None
         if not isinstance(metadata, dcp_metadata.Metadata):
-            raise ValueError(f"{path}: not a DCP metadata file; refusing to load it")
+            raise CheckpointError(f"{path}: not a DCP metadata file; refusing to load it")
         objects = sorted(k for k, v in metadata.state_dict_metadata.items()
                          if not isinstance(v, dcp_metadata.TensorStorageMetadata))
         if objects:
-            raise ValueError(f"{path}: holds pickled objects, not tensors ({objects[:3]}); refusing to load it")
+            raise CheckpointError(f"{path}: holds pickled objects, not tensors ({objects[:3]}); refusing to load it")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -267,7 +268,16 @@ class Checkpointer:
         return latest_checkpoint(self.directory)
 
     def manifest(self, path: Path) -> Dict[str, Any]:
-        manifest = json.loads((Path(path) / MANIFEST).read_text())
+        try:
+            manifest = json.loads((Path(path) / MANIFEST).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: its {MANIFEST} cannot be read ({e}); refusing to load it") from None
+        step = manifest.get("position", {}).get("step") if isinstance(manifest, dict) else None
+        if Path(path).name.startswith("step_") and step is not None and step_dir_name(int(step)) != Path(path).name:
+            raise CheckpointError(
+                f"{path}: its {MANIFEST} says step {step}, the directory says {Path(path).name}; the manifest was "
+                f"changed after the save, refusing to load it"
+            )
         if manifest.get("format") != FORMAT:
             raise ConfigError(
                 f"{path}: checkpoint format {manifest.get('format')} is not {FORMAT} (format 1 checkpoints, one "
@@ -304,9 +314,21 @@ class Checkpointer:
         flat, _ = flatten_state_dict(tensors)
         missing = sorted(set(flat) - set(saved))
         if missing:
-            raise ValueError(f"{path}: holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+            raise CheckpointError(f"{path}: holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
                              f"({len(missing)} tensors this model needs)")
-        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+        try:
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
+            # A truncated or overwritten file: say which checkpoint, why, and what else there is.
+            # (DCP's message is each rank's traceback: its last line says what went wrong.)
+            cause = ([line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__])[-1]
+            others = [p.name for p in self.complete() if p != path]
+            raise CheckpointError(
+                f"{path}: cannot be read, it is damaged ({cause.split('. ')[0][:160]}); delete it to resume from "
+                f"an earlier checkpoint ({', '.join(others) if others else 'none is left'})"
+            ) from e
         ranks = [from_json(r) for r in manifest["ranks"]]
         out = _merge(from_json(manifest.get("state", {})), tensors)
         out = _merge(out, ranks[self.rank % len(ranks)])

@@ -29,6 +29,11 @@ class ConfigError(UserError, ValueError):
     or when a value turns out not to work, e.g. a cache too small for the depth)."""
 
 
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be loaded: damaged, tampered with, or not one this program
+    wrote. The message names the checkpoint and what to do (another one is usually intact)."""
+
+
 class PeerFailure(RuntimeError):
     """This rank stopped because rank ``origin_rank`` failed (e.g. while preparing data for
     everyone); :func:`~torchrec_proactive.launch.run_ranks` reports the origin's error instead."""

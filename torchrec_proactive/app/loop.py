@@ -45,6 +45,15 @@ class Position:
     batch_in_epoch: int = 0
 
 
+def rescale_position(pos: Position, saved_world: int, world: int, steps_per_epoch: int) -> Position:
+    """Where a run saved on ``saved_world`` ranks stands on ``world`` ranks: a step consumes
+    ``world`` batches, so the epoch's samples done so far are ``batch_in_epoch * saved_world``
+    batches; rounded down (at most one batch's samples are read again). The global step
+    counts the new steps of the finished epochs plus the current one's."""
+    batch = min(pos.batch_in_epoch * saved_world // world, steps_per_epoch)
+    return Position(step=pos.epoch * steps_per_epoch + batch, epoch=pos.epoch, batch_in_epoch=batch)
+
+
 @dataclass
 class Summary:
     """A rank's results (``TrainResult.from_summary`` makes the documented JSON of it)."""
@@ -126,6 +135,12 @@ class Trainer:
                 optimizer_state["param_groups"], [r.get("param_groups", []) for r in state["saved_ranks"]])
         self.optimizer.load_state_dict(optimizer_state)
         self.pos = Position(**state["position"])
+        saved_world = len(state["saved_ranks"])
+        if saved_world != self.env.world_size:
+            self.pos = rescale_position(self.pos, saved_world, self.env.world_size, self.data.steps_per_epoch)
+            self.log.info("train.resume: saved on %d rank(s), resuming on %d: the same point of the epoch in "
+                          "samples is step %d here (the order of the epoch's remaining batches differs)",
+                          saved_world, self.env.world_size, self.pos.step)
         # FBGEMM's convention, which TorchRec's fused optimizers follow: the step counter
         # (Adam's bias correction) is not in the optimizer state. It advances on every
         # forward, evaluation included, so the checkpoint carries its value.

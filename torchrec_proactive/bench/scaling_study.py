@@ -244,6 +244,11 @@ def write_study(out_dir: Path, runs: Sequence[Mapping[str, Any]], settings: Opti
         "profiles": [p.to_dict() for p in settings.profiles],
         "workload": settings.shape.to_dict(),
         "workload_figures": [p.to_dict() for p in figures],
+        # The replay's stand-in tables: a cache fraction is a share of *these* rows, and
+        # whether a cache holds k + 1 batches depends on its absolute size.
+        "replay": {"zipf_tables": settings.zipf_tables, "zipf_rows_per_table": settings.zipf_rows,
+                   "zipf_alpha": settings.zipf_alpha, "steps": settings.replay_steps,
+                   "reduced": settings.zipf_rows < StudySettings().zipf_rows},
         "plan_s_per_id": plan_cost_per_id(figures),
         "projection": rows,
         "verdicts": verdicts(rows),

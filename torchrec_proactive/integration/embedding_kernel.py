@@ -162,6 +162,17 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._device = device or torch.device("cpu")
         self._engine = engine
         self.optimizer_config = OptimizerConfig.from_fused_params(user_fused_params)
+        cfg = self.optimizer_config
+        if self._device.type == "cpu" and cfg.optim is OptimType.EXACT_ROWWISE_ADAGRAD and cfg.decay_rule in (
+                "l2", "decoupled"):
+            warnings.warn(
+                f"tables {[t.name for t in config.embedding_tables]}: weight_decay={cfg.weight_decay} with "
+                f"weight_decay_mode={cfg.weight_decay_mode.name} is applied as FBGEMM's CUDA kernels apply it; "
+                f"FBGEMM's CPU kernel skips it for FP32 tables read by one feature (its fast path passes "
+                f"weight_decay=0), so stock TorchRec on CPU trains those tables without decay and their results "
+                f"differ from ours (see docs/optimizers.md)",
+                stacklevel=2,
+            )
         # TorchRec's choice for this sharding type: row-wise shardings pool mean as a sum
         # here and divide after the output all-to-all, when all of a bag's rows are summed.
         self._mode = "mean" if self._pooling == PoolingMode.MEAN else "sum"
