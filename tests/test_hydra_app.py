@@ -51,6 +51,10 @@ def test_cfg_job_hydra_all_and_info() -> None:
     assert resolved.rc == 0 and "bandwidth_gbps: 0.1" in resolved.out and "${" not in resolved.out, resolved
     info = cli("train", "--info", "searchpath")
     assert info.rc == 0 and f"file://{REPO / 'torchrec_proactive' / 'conf'}" in info.out, info
+    # A bare --info (its value is optional), before or after an override.
+    for args in (["--info"], ["experiment=ci_tiny", "--info"]):
+        bare = cli("train", *args)
+        assert bare.rc == 0 and "Config search path" in bare.out, (args, bare)
 
 
 def test_config_dir_and_searchpath_add_to_the_packaged_configs(tmp_path: Path) -> None:
@@ -76,6 +80,10 @@ def test_config_dir_and_searchpath_add_to_the_packaged_configs(tmp_path: Path) -
         (["-m", "prefetch.detph=1,2"], ["prefetch.detph is not a config key"]),
         (["--cfg", "job", "train.eval=maybe"], ["train.eval", "'maybe'", "bool"]),
         (["prefetch.depth=1,2"], ["prefetch.depth=1,2", "--multirun"]),
+        # Hydra's own mistakes, as one line too (they were tracebacks)
+        (["--cfg", "job", "--info", "all"], ["--cfg and --info cannot be given together"]),
+        (["prefetch.depth=${oops}"], ["prefetch.depth", "Interpolation key 'oops' not found"]),
+        (["-m", "prefetch.depth=0,1", "train.output_dir=/tmp/one_dir"], ["is the same for 2 jobs of the sweep"]),
     ],
 )
 def test_mistakes_stay_one_line_with_exit_code_2(args: List[str], fragments: List[str], tmp_path: Path) -> None:

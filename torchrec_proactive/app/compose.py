@@ -118,9 +118,11 @@ def compose_config(overrides: Sequence[str] = (), config_dir: Optional[str] = No
                     cfg.train.output_dir = str(run_dir)
             with open_dict(cfg):
                 del cfg["hydra"]
+            return validate(cfg)
     except HydraException as e:
         raise ConfigError(_explain(e)) from e
-    return validate(cfg)
+    except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
+        raise ConfigError(f"{getattr(e, 'full_key', '') or 'config'}: {_first_line(e)}") from e
 
 
 def canonical_overrides(overrides: Sequence[str]) -> List[str]:

@@ -31,6 +31,8 @@ _THIRD_PARTY_WARNINGS = (
     (FutureWarning, r"`broadcast_buffers` is deprecated", r"torchrec\.distributed\.model_parallel"),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\."),
     (UserWarning, r"Local function is not supported by pickle", r"torch\.utils\.data\."),
+    # TorchRec's row-wise output dist calls the deprecated collectives' old names.
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", r""),
 )
 # The same, logged through `logging` by torch.fx on TorchRec's behalf (once per process).
 _THIRD_PARTY_LOGS = (("torch.fx._symbolic_trace", "is_fx_tracing will return true"),)

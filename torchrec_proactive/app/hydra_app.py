@@ -60,6 +60,12 @@ def parse_hydra_argv(prog: str, argv: Sequence[str]) -> Tuple[Any, List[str]]:
     for token in argv:
         if overrides[token] > 0:
             overrides[token] -= 1
+        elif token in ("--info", "-i"):
+            # Its value is optional: spelt out, so that the overrides placed after the options
+            # are not taken for it (`train experiment=x --info` -> `--info=all experiment=x`).
+            options.append(f"--info={args.info}")
+        elif options and options[-1].startswith("--info=") and token == args.info:
+            continue  # (the value of an `--info VALUE` just spelt out)
         else:
             options.append(token)
     return args, [*options, *args.overrides]
@@ -159,13 +165,28 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
     if args.config_name is not None or args.config_path is not None:
         raise UserError("--config-name/--config-path are not supported: the packaged configs are the primary "
                         "config; add yours with --config-dir or hydra.searchpath")
+    modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                                   ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if len(modes) > 1:  # (Hydra's own check raises a ValueError with a traceback)
+        raise UserError(f"{' and '.join(modes)} cannot be given together: use one of --run, --multirun, --cfg, "
+                        f"--info per call")
     inspecting = args.info is not None or args.help or args.hydra_help or args.shell_completion
     if args.multirun and under_torchrun():
         raise UserError("-m/--multirun launches its own ranks for each job; under torchrun/torchx every process "
                         "is one rank: run the sweep outside torchrun")
     if not inspecting:
-        for job in job_overrides(args.overrides, args.multirun):
-            compose_config(job, args.config_dir)  # ConfigError: one line, exit code 2
+        jobs = job_overrides(args.overrides, args.multirun)
+        fixed_dirs = []
+        for job in jobs:
+            cfg = compose_config(job, args.config_dir)  # ConfigError: one line, exit code 2
+            if any(o.lstrip("+").startswith("train.output_dir=") for o in job):
+                fixed_dirs.append(cfg.train.output_dir)
+        if len(jobs) > 1 and len(set(fixed_dirs)) < len(fixed_dirs):
+            raise UserError(
+                f"train.output_dir={fixed_dirs[0]} is the same for {len(fixed_dirs)} jobs of the sweep, and a run "
+                f"directory holds one run: leave train.output_dir unset (each job runs in hydra.sweep.dir/<job "
+                f"number>) or sweep it too"
+            )
     if under_torchrun() and not (inspecting or args.cfg):
         report(run_command(mode, args.overrides, nproc=nproc, config_dir=args.config_dir))
         return 0
