@@ -272,12 +272,13 @@ class Checkpointer:
             manifest = json.loads((Path(path) / MANIFEST).read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{path}: its {MANIFEST} cannot be read ({e}); refusing to load it") from None
-        step = manifest.get("position", {}).get("step") if isinstance(manifest, dict) else None
-        if Path(path).name.startswith("step_") and step is not None and step_dir_name(int(step)) != Path(path).name:
-            raise CheckpointError(
-                f"{path}: its {MANIFEST} says step {step}, the directory says {Path(path).name}; the manifest was "
-                f"changed after the save, refusing to load it"
-            )
+        steps = [manifest.get("step"), manifest.get("position", {}).get("step")] if isinstance(manifest, dict) else []
+        for step in (s for s in steps if s is not None):
+            if Path(path).name.startswith("step_") and step_dir_name(int(step)) != Path(path).name:
+                raise CheckpointError(
+                    f"{path}: its {MANIFEST} says step {step}, the directory says {Path(path).name}; the manifest "
+                    f"was changed after the save, refusing to load it"
+                )
         if manifest.get("format") != FORMAT:
             raise ConfigError(
                 f"{path}: checkpoint format {manifest.get('format')} is not {FORMAT} (format 1 checkpoints, one "
