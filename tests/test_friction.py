@@ -106,3 +106,25 @@ def test_docs_do_not_break_torchxs_urllib3_pin() -> None:
             if re.search(r"pip install \"?kubernetes(?![=<])", line):  # unpinned: only as a warning
                 assert "urllib3" in line, f"{doc}: {line}"
     assert pinned
+
+
+def test_gen_data_says_when_it_replaces_a_data_set(tmp_path):
+    from tests.test_cli import cli
+
+    first = cli("gen-data", "--out-dir", str(tmp_path / "d"), "--num-samples", "200")
+    assert first.rc == 0 and "replacing" not in first.err, first
+    again = cli("gen-data", "--out-dir", str(tmp_path / "d"), "--num-samples", "100")
+    assert again.rc == 0 and f"replacing the data set in {tmp_path / 'd'}" in again.err, again
+
+
+def test_synthetic_data_says_it_ignores_criteo_files_in_data_root(tmp_path, caplog):
+    import logging
+
+    from torchrec_proactive.app.compose import compose_config
+    from torchrec_proactive.app.data import _synthetic_files
+
+    (tmp_path / "train_sparse.npy").write_bytes(b"")  # a TorchRec-preprocessed set, as a user has it
+    cfg = compose_config(["experiment=ci_tiny", "data.num_samples=200", f"data.root={tmp_path}"])
+    with caplog.at_level(logging.WARNING):
+        _synthetic_files(cfg.data, logging.getLogger("t"), progress=False)
+    assert any("are not used" in r.getMessage() and "train_sparse.npy" in r.getMessage() for r in caplog.records)

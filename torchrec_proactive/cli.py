@@ -195,6 +195,11 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     except ValueError as e:
         _gen_data_error(args.parser, e)
     progress = sys.stderr.isatty()  # bars on a terminal only; redirected logs stay plain
+    existing = [p.name for p in Path(args.out_dir).glob("*") if p.name in ("spec.json", "train.txt")
+                or p.name.startswith("day_")] if Path(args.out_dir).is_dir() else []
+    if existing:
+        print(f"gen-data: replacing the data set in {args.out_dir} ({', '.join(sorted(existing)[:3])}"
+              f"{' ...' if len(existing) > 3 else ''})", file=sys.stderr)
     try:
         paths = generate(spec, args.out_dir, progress=progress)
         print(f"wrote {len(paths)} file(s): {', '.join(str(p) for p in paths)}")

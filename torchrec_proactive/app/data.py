@@ -65,6 +65,11 @@ def _synthetic_files(cfg: DataConfig, log: logging.Logger, progress: bool) -> Li
                  "data.num_samples and the other generator fields apply only to data train generates",
                  cfg.root, spec.num_samples, spec.layout, spec.seed)
         return paths
+    real = [name for name in ("train.txt", "day_0", "train_sparse.npy", "day_0_sparse.npy",
+                              "day_0_sparse_multi_hot.npz") if (Path(cfg.root) / name).exists()]
+    if real:
+        log.warning("data=synthetic generates its own data: the Criteo files in data.root=%s (%s) are not used; "
+                    "to train on them choose data=criteo_kaggle or data=criteo_terabyte", cfg.root, ", ".join(real))
     spec = synthetic_spec(cfg)
     raw = dataset_dir(cfg) / "raw"
     found = read_generated(raw)
