@@ -160,6 +160,12 @@ class CudaStreamTransport(Transport):
         before = stream.record_event(torch.cuda.Event(enable_timing=True))
         stream.wait_event(ticket.device_event)
         after = stream.record_event(torch.cuda.Event(enable_timing=True))
+        for plan in ticket.plans:
+            over = getattr(plan, "overflow_weight", None)
+            if isinstance(over, torch.Tensor) and over.device.type == "cuda":
+                # Allocated on the copy stream, read by this one: the allocator must not hand
+                # its memory to the copy stream again before this stream's lookup has run.
+                over.record_stream(stream)
         self._stall_events.append((before, after))
         self._harvest_stalls()
 
