@@ -18,51 +18,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .compose import compose_config
 from .config_words import capacity_error, in_config_words
+from ..quiet import quiet_third_party
 from .errors import UserError
 
 MODES = ("train", "compare")
-
-# Warnings of the libraries underneath that a user of this package cannot act on: TorchRec
-# passes DistributedDataParallel's deprecated `broadcast_buffers` itself, TorchRec's
-# sharded tables are ShardedTensors (torch deprecates them in favour of DTensor), and
-# TorchRec's Criteo pipes use local functions. Matched by message and module, so that any
-# other warning still shows.
-_THIRD_PARTY_WARNINGS = (
-    (FutureWarning, r"`broadcast_buffers` is deprecated", r"torchrec\.distributed\.model_parallel"),
-    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\."),
-    (UserWarning, r"Local function is not supported by pickle", r"torch\.utils\.data\."),
-    # TorchRec's row-wise output dist calls the deprecated collectives' old names.
-    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", r""),
-)
-# The same, logged through `logging` by torch.fx on TorchRec's behalf (once per process).
-_THIRD_PARTY_LOGS = (("torch.fx._symbolic_trace", "is_fx_tracing will return true"),)
-_quieted = False
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, fragment: str) -> None:
-        super().__init__()
-        self.fragment = fragment
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.fragment not in record.getMessage()
-
-
-def quiet_third_party_warnings() -> None:
-    """Hides the known third-party warnings above, once per process.
-
-    Called by the entry points (the CLI, the example script, each spawned rank), never at
-    import: a program that imports this package keeps its own warning settings.
-    """
-    global _quieted
-    if _quieted:
-        return
-    _quieted = True
-    for category, message, module in _THIRD_PARTY_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    for logger, fragment in _THIRD_PARTY_LOGS:
-        logging.getLogger(logger).addFilter(_DropMessage(fragment))
-
 
 def _agree_output_dir(cfg: Any, overrides: Sequence[str]) -> Any:
     """Rank 0's ``train.output_dir`` on every rank, unless the command line set it.
@@ -96,7 +55,7 @@ def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
     :class:`~torchrec_proactive.app.errors.ConfigError` naming ``cache.load_factor`` and
     ``prefetch.*``.
     """
-    quiet_third_party_warnings()
+    quiet_third_party()
     from ..store import CacheCapacityError
 
     extra = (rank_overrides or {}).get(rank, [])
@@ -179,7 +138,7 @@ def run_command(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir:
     from .rundir import check_run_dir
 
     cfg = compose_config(overrides, config_dir) if cfg is None else cfg  # fail fast, before any rank
-    quiet_third_party_warnings()
+    quiet_third_party()
     if not under_torchrun():  # under torchrun each rank checks (collectively) in build_run
         check_run_dir(cfg)
         overrides = pin_output_dir(overrides, cfg)

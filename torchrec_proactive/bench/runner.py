@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .cli_args import (SHARDINGS, HelpFormatter, checked, comma_list, float_above, float_at_least,  # noqa: F401
                        float_in, int_at_least)
 from .noise import sweep_warnings
-from .quiet import quiet_third_party
+from ..quiet import quiet_third_party
 from .report import COUNTER_KEYS, REQUIRED_KEYS, format_table, summarize
 
 # --------------------------------------------------------------------------------------------
