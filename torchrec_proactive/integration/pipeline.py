@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
-from torchrec.distributed.types import Awaitable
+from torchrec.distributed.types import NoWait
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 
@@ -208,7 +208,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
                 module_ctx.plan_in_output_dist = True  # type: ignore[attr-defined]
                 module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_ctx)
             # Handed to the forward as stock hands it: an awaitable of the ids (already here).
-            context.input_dist_tensors_requests[name] = _Ready(dist_input)
+            context.input_dist_tensors_requests[name] = NoWait(dist_input)
             context.module_contexts[name] = module_ctx
         self.tracer.close("data_dist", context.index)
 
@@ -435,17 +435,6 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         if total.get("rows_requested"):
             total["hit_rate"] = total["hits"] / total["rows_requested"]
         return total
-
-
-class _Ready(Awaitable[Any]):
-    """An awaitable of a value that is already there (a batch's ids after its prefetch)."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__()
-        self._value = value
-
-    def _wait_impl(self) -> Any:
-        return self._value
 
 
 @contextlib.contextmanager
