@@ -64,7 +64,7 @@ Nothing here imports TorchRec.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -185,10 +185,18 @@ class CudaStreamTransport(Transport):
         pairs += [(t.host_state[k], t.cache_state[k]) for k in t.host_state]
         return pairs
 
-    def _chunks(self, plan: Any, n: int) -> List[Tuple[int, int]]:
-        """``(start, size)`` pieces of ``n`` rows, each at most ``CHUNK_BYTES`` of staging."""
-        rows = max(1, CHUNK_BYTES // max(plan.table.row_bytes, 1))
-        return [(start, min(rows, n - start)) for start in range(0, n, rows)]
+    def _chunks(self, plan: Any, slots: torch.Tensor, rows: torch.Tensor, n: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``n`` (slots on the device, rows on the host) of a plan's move list, in
+        pieces of at most ``CHUNK_BYTES`` of staging; the staging is free for each piece."""
+        if isinstance(plan, DeviceFetchPlan):  # lists on the device, sizes resolved in run()
+            slots, rows = slots.narrow(0, 0, n), rows.narrow(0, 0, n).to("cpu")
+        else:
+            slots = slots.to(self.device, non_blocking=True)
+        step = max(1, CHUNK_BYTES // max(plan.table.row_bytes, 1))
+        for start in range(0, n, step):
+            size = min(step, n - start)
+            self._reuse_staging()
+            yield slots.narrow(0, start, size), rows.narrow(0, start, size)
 
     def _reuse_staging(self) -> None:
         """Waits (on the worker) until the last host-to-device copy out of staging has run."""
@@ -197,24 +205,14 @@ class CudaStreamTransport(Transport):
             self._last_h2d = None
         self.staging.begin()
 
-    @staticmethod
-    def _lists(plan: Any, slots: torch.Tensor, rows: torch.Tensor, n: int, device: torch.device):
-        """A plan's first ``n`` slots on the device and rows on the host."""
-        if isinstance(plan, DeviceFetchPlan):  # lists on the device, sizes resolved in run()
-            return slots.narrow(0, 0, n), rows.narrow(0, 0, n).to("cpu")
-        return slots.to(device, non_blocking=True), rows
-
     def _write_back(self, plan: Any) -> None:
         n = plan.num_writebacks
         if n == 0:
             return
-        slots, rows = self._lists(plan, plan.writeback_slots, plan.writeback_rows, n, self.device)
-        for start, size in self._chunks(plan, n):
-            chunk_slots, chunk_rows = slots.narrow(0, start, size), rows.narrow(0, start, size)
-            self._reuse_staging()
+        for chunk_slots, chunk_rows in self._chunks(plan, plan.writeback_slots, plan.writeback_rows, n):
             for host, cache in self._tensors(plan):
                 flat = cache.view(cache.shape[0], -1)
-                staged = self.staging.get(size, flat.shape[1], flat.dtype)
+                staged = self.staging.get(chunk_rows.shape[0], flat.shape[1], flat.dtype)
                 staged.copy_(flat.index_select(0, chunk_slots), non_blocking=True)
                 self.copy_stream.synchronize()  # the host scatter below reads `staged`
                 host.view(host.shape[0], -1).index_copy_(0, chunk_rows, staged)
@@ -223,13 +221,10 @@ class CudaStreamTransport(Transport):
         n = plan.num_fills
         if n == 0:
             return
-        slots, rows = self._lists(plan, plan.fill_slots, plan.fill_rows, n, self.device)
-        for start, size in self._chunks(plan, n):
-            chunk_slots, chunk_rows = slots.narrow(0, start, size), rows.narrow(0, start, size)
-            self._reuse_staging()
+        for chunk_slots, chunk_rows in self._chunks(plan, plan.fill_slots, plan.fill_rows, n):
             for host, cache in self._tensors(plan):
                 hflat = host.view(host.shape[0], -1)
-                staged = self.staging.get(size, hflat.shape[1], hflat.dtype)
+                staged = self.staging.get(chunk_rows.shape[0], hflat.shape[1], hflat.dtype)
                 torch.index_select(hflat, 0, chunk_rows, out=staged)
                 cache.view(cache.shape[0], -1).index_copy_(0, chunk_slots, staged.to(self.device, non_blocking=True))
             self._last_h2d = self.copy_stream.record_event()
