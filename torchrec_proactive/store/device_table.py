@@ -46,13 +46,13 @@ from .async_count import AsyncCount
 from .eviction import EvictionPolicy
 from .fixed_shape import compact, padded_unique
 from .optimizers import update_rows
-from .tiered_table import PlanSizes, TieredTable
+from .tiered_table import TieredTable
 
 _NEVER = torch.iinfo(torch.int64).max
 
 
 @dataclass
-class DeviceFetchPlan(PlanSizes):
+class DeviceFetchPlan:
     """One batch's plan on a :class:`DeviceTieredTable`; every tensor lives on the device
     and has the batch's id count ``n`` as its length (padding: sentinel row, trash slot).
 
@@ -125,6 +125,14 @@ class DeviceFetchPlan(PlanSizes):
     @property
     def num_writebacks(self) -> int:
         return self._size(2)
+
+    @property
+    def num_hits(self) -> int:
+        return self.num_rows - (self.num_fills - self.num_preloaded) - self.num_overflow
+
+    @property
+    def bytes_to_move(self) -> int:
+        return self.table.row_bytes * (self.num_fills + self.num_writebacks)
 
 
 class DeviceTieredTable(TieredTable):
@@ -338,7 +346,13 @@ class DeviceTieredTable(TieredTable):
         if id(plan) in self._bounds and not plan.released:
             plan.row_bound = plan.sizes[0] if not self.holds_every_row else 0  # type: ignore[index]
             self._bounds[id(plan)] = plan.row_bound
-        self.stats.count(plan)
+        st = self.stats
+        st.lookups_rows += plan.num_rows
+        st.hits += plan.num_hits
+        st.rows_fetched += plan.num_fills - plan.num_preloaded
+        st.rows_written_back += plan.num_writebacks
+        st.bytes_moved += plan.bytes_to_move
+        st.overflow_rows += plan.num_overflow
 
     # ------------------------------------------------------------------ data moves
     @torch.no_grad()

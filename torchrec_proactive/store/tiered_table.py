@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -44,24 +44,8 @@ from .eviction import EvictionPolicy, SlotRanking
 from .optimizers import OptimizerConfig, update_rows
 
 
-class PlanSizes:
-    """What a plan's sizes imply, for host plans (``FetchPlan``) and device plans
-    (``DeviceFetchPlan``) alike: both give ``num_rows``, ``num_fills``, ``num_writebacks``,
-    ``num_overflow``, ``num_preloaded`` and ``table``."""
-
-    @property
-    def num_hits(self) -> int:
-        """The batch's rows already in the cache (preloaded rows count as hits: they are
-        moved, but not because this batch missed them)."""
-        return self.num_rows - (self.num_fills - self.num_preloaded) - self.num_overflow  # type: ignore[attr-defined]
-
-    @property
-    def bytes_to_move(self) -> int:
-        return self.table.row_bytes * (self.num_fills + self.num_writebacks)  # type: ignore[attr-defined]
-
-
 @dataclass
-class FetchPlan(PlanSizes):
+class FetchPlan:
     """What one batch needs from one table. Produced by ``TieredTable.plan``.
 
     ``rows`` are the batch's unique rows (sorted) and ``slots[i]`` holds ``rows[i]`` once the
@@ -138,6 +122,15 @@ class FetchPlan(PlanSizes):
             self._overflow_weight = self.table.host_weight.index_select(0, self.overflow_rows).to(self.table.device)
         return self._overflow_weight
 
+    @property
+    def num_hits(self) -> int:
+        """The batch's rows already in the cache (preloaded rows count as hits: they are
+        moved, but not because this batch missed them)."""
+        return self.num_rows - (self.num_fills - self.num_preloaded) - self.num_overflow
+
+    @property
+    def bytes_to_move(self) -> int:
+        return self.table.row_bytes * (self.num_fills + self.num_writebacks)
 
 
 @dataclass
@@ -151,16 +144,6 @@ class TableStats:
     bytes_moved: int = 0
     updates: int = 0
     overflow_rows: int = 0  # rows served from the host tier because the cache was full
-
-    def count(self, plan: PlanSizes) -> None:
-        """Adds a plan's rows, hits, moves and overflow (once its sizes are known)."""
-        p: Any = plan
-        self.lookups_rows += p.num_rows
-        self.hits += p.num_hits
-        self.rows_fetched += p.num_fills
-        self.rows_written_back += p.num_writebacks
-        self.bytes_moved += p.bytes_to_move
-        self.overflow_rows += p.num_overflow
 
     def hit_rate(self) -> float:
         return self.hits / self.lookups_rows if self.lookups_rows else 1.0
@@ -463,7 +446,13 @@ class TieredTable:
                          overflow_rows=None if overflow_rows is None else torch.from_numpy(overflow_rows),
                          preload=bool(n_preload), num_preloaded=n_preload,
                          num_rows=num_rows, num_fills=n_miss, num_writebacks=writeback_rows.shape[0])
-        self.stats.count(plan)
+        st = self.stats
+        st.lookups_rows += plan.num_rows
+        st.hits += plan.num_hits
+        st.rows_fetched += n_miss
+        st.rows_written_back += plan.num_writebacks
+        st.bytes_moved += plan.bytes_to_move
+        st.overflow_rows += plan.num_overflow
         return plan
 
     def _unmap_preload(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
