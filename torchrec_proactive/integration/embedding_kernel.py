@@ -19,6 +19,7 @@ does. Every data move, flushes included, goes through the module's one fetch eng
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -192,6 +193,13 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             hot_rows=_group_hot_rows(tables, options),
             segments=_segments(tables),
         )
+        # An update whose plan's pins ended early (see ``forward``) moves its rows again
+        # through this module's engine, in their turn behind every queued move.
+        self.store.move_now = functools.partial(engine.run, tag="late update")
+        # The training lookup whose backward has not come yet. Its pins end at that backward,
+        # or at this kernel's next training forward, flush, load or reset, whichever comes
+        # first - a rule that needs no garbage collector (see ``forward``).
+        self._awaiting_backward: Optional[TableBatch] = None
         # Per feature (in the group's KJT order): where its table's rows start in the store.
         self._feature_start = np.array(
             [seg.start for seg, t in zip(self.store.segments, tables) for _ in range(t.num_features())],
@@ -261,7 +269,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         """Per table, the host-tier optimizer state under FBGEMM's names (``sum``, ``exp_avg`` ...)."""
         names = _FBGEMM_STATE_NAMES[self.optimizer_config.optim]
         return [
-            {fbgemm: self.store.host_state[ours][seg.start: seg.start + seg.num_rows] for fbgemm, ours in names}
+            {fbgemm: self.store.exposed_state[ours][seg.start: seg.start + seg.num_rows] for fbgemm, ours in names}
             for seg in self.store.segments
         ]
 
@@ -336,7 +344,13 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         yield self.store.name, self.store
 
     def flush(self) -> None:
-        """Writes dirty cached rows back to the host tier, behind every queued fetch."""
+        """Writes dirty cached rows back to the host tier, behind every queued fetch.
+
+        A training lookup whose backward has not come loses its pins here (its backward,
+        if it still comes, finds its rows again). Rows the user wrote in place since the
+        last lookup are not overwritten: that write is applied to the cache first."""
+        self.end_pins_awaiting_backward()
+        self._apply_host_writes()
         self._engine.flush([self.store])
 
     def purge(self) -> None:
@@ -351,8 +365,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         between two steps of a running pipeline) every cached row is copied again from the
         host tier, in its turn behind every queued fetch, so those batches read the loaded
         values - what stock TorchRec's lookups would read. Either way the whole load applies."""
+        self.end_pins_awaiting_backward()
         self._engine.drain()
         store = self.store
+        store.external_writes()  # (the load's own writes: applied by this call)
         if not store.in_flight:
             store.invalidate()
         elif isinstance(store, DeviceTieredTable):
@@ -360,6 +376,39 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 self._engine.run([plan], tag="refresh")
         else:
             self._engine.run([store.plan_refresh()], tag="refresh")
+
+    def end_pins_awaiting_backward(self) -> None:
+        """Ends the pins of the last training lookup if its backward has not come (the pin
+        rule: see ``forward``); a backward that still comes finds its rows again."""
+        batch, self._awaiting_backward = self._awaiting_backward, None
+        if batch is not None:
+            batch.table.release(batch.plan)  # (idempotent: a no-op after its backward)
+
+    def _apply_host_writes(self) -> None:
+        """Makes the cache read what the user wrote in place into the tensors TorchRec exposes
+        (``state_dict()``, ``named_parameters()``, the fused optimizer's state, DCP loads
+        into them): when their version counter moved, every cached row is copied again from
+        the host tier, as after ``load_state_dict``. The host tier is then the truth for the
+        whole group, as the write makes it for stock TorchRec: cached updates not yet
+        written back are dropped (said once), which cannot happen to tensors taken from
+        ``state_dict()``/``named_parameters()`` since the last lookup (both flush).
+
+        Why version counters: every in-place op through those tensors (``copy_``, ``zero_``,
+        DCP's reads, ``load_state_dict``) bumps them and nothing else does, since the store
+        moves rows through aliases of its own; checking costs one integer compare per tensor
+        at each plan, lookup and flush. Writes through ``.data`` or NumPy bypass them."""
+        store = self.store
+        if not store.external_writes():
+            return
+        if store.has_dirty():
+            warnings.warn(
+                f"tables {self.table_names()}: their weights or optimizer state were written in place while "
+                f"cached rows held updates that had not reached those tensors; the write wins for the whole "
+                f"group, as a load would, and those updates are dropped. Take the tensors from state_dict() or "
+                f"named_parameters() right before writing into them (both write the cache back first)",
+                stacklevel=3,
+            )
+        self.invalidate()
 
     # ------------------------------------------------------------------ data path
     def plan_batch(self, features: KeyedJaggedTensor, overflow: bool = False) -> PlannedGroup:
@@ -418,6 +467,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def plan_prepared(self, prepared: PreparedBatch, overflow: bool = False) -> PlannedGroup:
         """Plans (and pins) a prepared batch; see ``plan_batch``."""
         p = prepared
+        self._apply_host_writes()
         if self._on_device:
             self._report_device_checks()
             batch = plan_device_batch(self.store, p.rows, p.offsets, self._mode,  # type: ignore[arg-type]
@@ -489,6 +539,15 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         planned, self._bound = self._bound, None
+        # Only a training forward may update the rows: in eval mode (or under no_grad) the
+        # lookup is read-only and releases its pins at once.
+        train = self.training and torch.is_grad_enabled()
+        if train:
+            # Pin rule: the previous training lookup's backward had its chance. Its pins end
+            # now, so a forward whose loss was dropped holds nothing past the next one (no
+            # garbage collector involved); a backward that still comes plans again.
+            self.end_pins_awaiting_backward()
+        self._apply_host_writes()
         if planned is None:
             # Nothing prefetched this batch (plain forward, eval loop): fetch now, on the
             # critical path, in its turn behind any queued ticket. No later batch is planned
@@ -509,9 +568,9 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # FBGEMM's TBE advances its step counter (Adam's bias correction) on every forward,
         # training or not; the batch's update uses the value of its own forward.
         self.store.count_forward(planned.batch.plan)
-        # Only a training forward may update the rows: in eval mode the lookup is read-only
-        # and releases its pins at once, with or without torch.no_grad().
-        pooled = pooled_lookup_group([planned.batch], self._anchor, [planned.weights], train=self.training)[0]
+        pooled = pooled_lookup_group([planned.batch], self._anchor, [planned.weights], train=train)[0]
+        if train:
+            self._awaiting_backward = planned.batch
         stride = planned.stride
         if planned.sample_major:
             return pooled.view(stride, -1)

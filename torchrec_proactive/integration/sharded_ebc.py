@@ -347,6 +347,11 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self._plan_waiting(owner=getattr(ctx, "owner", None))
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
+        if self.training and torch.is_grad_enabled():
+            # The pin rule (see ProactiveEmbeddingBag.forward): the previous training
+            # lookup's backward had its chance; its pins end before this batch plans.
+            for kernel in self._proactive_kernels:
+                kernel.end_pins_awaiting_backward()
         if self._proactive_kernels and getattr(ctx, "fetch", None) is None:
             ctx.fetch = self._fetch_at_lookup(ctx, input)  # type: ignore[attr-defined]
             ctx.fetch.at_lookup = True  # type: ignore[attr-defined]
@@ -611,6 +616,14 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         self.flush_cache()
         return super().state_dict(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Any:  # type: ignore[override]
+        """TorchRec's parameters (views of the host tier), written back first: as for
+        ``state_dict()``, they hold the current rows, and an in-place edit of them starts
+        from those (the next lookup reads the edit: see ``ProactiveEmbeddingBag``)."""
+        self.flush_cache()
+        return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def named_tables(self) -> Dict[str, Any]:
         """``{table shard name: TieredTable}`` of this rank's proactive tables."""

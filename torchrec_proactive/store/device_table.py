@@ -204,8 +204,6 @@ class DeviceTieredTable(TieredTable):
         surely fits (``surely_fits``). With it, misses that find no victim are served from
         the host tier (a synchronisation: this path reads the plan's sizes)."""
         self._check_owner()
-        if self._orphans:
-            self.collect_orphans()
         n = int(ids.shape[0])
         if self.surely_fits(n):
             overflow = False  # nothing can overflow: plan without reading any size back
@@ -425,6 +423,8 @@ class DeviceTieredTable(TieredTable):
             raise InvalidInputError(
                 f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match ({plan.n}, {self.dim})"
             )
+        if plan.released:
+            self.refuse_late_update()
         step = plan.optimizer_step or self._advance_step()  # (FBGEMM's rule: see count_forward)
         if plan.overflow_rows is None or plan.num_overflow == 0:
             self._masked_update(plan.slots, row_grads, step, ok, plan.rows)
@@ -442,6 +442,16 @@ class DeviceTieredTable(TieredTable):
         self.d_dirty.narrow(0, self.trash, 1).fill_(False)
         self.stats.updates += 1
         self.release(plan)
+
+    def refuse_late_update(self) -> None:
+        """Raises for an update whose plan's pins ended before it came. (The host planner
+        plans such rows again: ``TieredTable._plan_again``; a device plan's rows are padded
+        and its overflow sizes are read at plan time, so that path is not there yet.)"""
+        raise StoreStateError(
+            f"table '{self.name}': the backward of a lookup came after the module's next training forward, "
+            f"which ended its pins; the device planner cannot update rows that may have moved since (nothing "
+            f"was updated). Call backward before the next forward, or use the sharder's planner='host'"
+        )
 
     def count_forward(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
         """The base class's rule (the step counter advances on every forward, as FBGEMM's),
@@ -573,7 +583,6 @@ class DeviceTieredTable(TieredTable):
 
     def check_invariants(self, expect_drained: bool = False) -> None:
         """Reads the device bookkeeping on the host (tests and debug checks only)."""
-        self.collect_orphans()
         s2r = self.d_slot_to_row.cpu()
         r2s = self.d_row_to_slot.cpu()
         pins = self.d_pins.narrow(0, 0, self.num_slots).cpu()

@@ -9,7 +9,6 @@ gradient ever flows to a weight tensor: the update is "fused", like FBGEMM's TBE
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
@@ -231,11 +230,6 @@ def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Te
     return row_grads, grad_psw
 
 
-def _release_later(batches: Sequence[TableBatch]) -> None:
-    for b in batches:
-        b.table.release_later(b.plan)
-
-
 def pool_group(batches: Sequence[TableBatch], weights: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     """The forward of one group's lookup: each batch pooled from its resident rows."""
     return [_pool(b, w) for b, w in zip(batches, weights)]
@@ -262,10 +256,11 @@ class _GroupLookup(torch.autograd.Function):
         # trip autograd's version check. Our own slots are pinned until backward is done.
         ctx.batches = batches
         ctx.weights = weights
-        # Pins live as long as a backward can come: when this node is freed without one (a
-        # forward whose loss was dropped, an exception before backward), the plans are
-        # released at the store's next operation. After a backward the release is a no-op.
-        weakref.finalize(ctx, _release_later, batches)
+        # The pins end at backward - or earlier, by the owner's rule (the kernel ends them at
+        # its next training forward): a backward that comes after that plans its rows again
+        # (TieredTable.apply_gradients). Nothing here waits for this node to be freed: on 2+
+        # ranks TorchRec's all-to-all keeps it in a reference cycle that only the cycle
+        # collector would free.
         return tuple(pool_group(batches, weights))
 
     @staticmethod
@@ -297,6 +292,9 @@ def update_group(
         if w is not None:
             psw_grads.append(grad_psw)
     if any(isinstance(b.table, DeviceTieredTable) for b in batches):
+        for b in batches:  # (refused before any table of the group changes)
+            if b.plan.released:
+                b.table.refuse_late_update()  # type: ignore[attr-defined]
         # Device tables: the all-or-nothing rule without a host read. The group's update
         # is computed and kept only where every gradient is finite; a skip is counted on
         # the device and reported at a later step (DeviceTieredTable.poll_skipped).

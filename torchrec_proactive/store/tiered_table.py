@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -144,6 +144,10 @@ class TableStats:
     bytes_moved: int = 0
     updates: int = 0
     overflow_rows: int = 0  # rows served from the host tier because the cache was full
+    # Updates whose plan's pins had ended before their backward came (see ``apply_gradients``).
+    late_updates: int = 0
+    # In-place writes of the host tier by its owner seen by ``external_writes``.
+    external_writes: int = 0
 
     def hit_rate(self) -> float:
         return self.hits / self.lookups_rows if self.lookups_rows else 1.0
@@ -221,7 +225,14 @@ class TieredTable:
         self.num_rows, self.dim = int(host_weight.shape[0]), int(host_weight.shape[1])
         self.num_slots = max(1, min(int(num_slots), self.num_rows)) if self.num_rows else 1
         self.holds_every_row = self.num_slots >= self.num_rows
-        self.host_weight = host_weight
+        # The host tier is shared with its owner (TorchRec's state-dict tensors are views of
+        # it), who may write it in place. The store reads and writes it only through
+        # aliases with a version counter of their own (``Tensor.data``: same bytes, separate
+        # counter), so the counter of the tensors it was given counts the owner's in-place
+        # writes and nothing else: ``external_writes`` compares it, one integer per tensor.
+        self.exposed_weight = host_weight
+        self.host_weight = host_weight.data
+        self.exposed_state: Dict[str, torch.Tensor] = {}
         self.host_state: Dict[str, torch.Tensor] = {}
         for key, shape in optimizer.state_shapes(self.dim).items():
             given = (host_state or {}).get(key)
@@ -234,7 +245,14 @@ class TieredTable:
                 # Pinned on CUDA so the copy stream can move rows without a bounce buffer.
                 pin = self.device.type == "cuda" and torch.cuda.is_available()
                 given = torch.zeros(want, dtype=torch.float32, pin_memory=pin)
-            self.host_state[key] = given
+            self.exposed_state[key] = given
+            self.host_state[key] = given.data
+        self._exposed = [self.exposed_weight, *self.exposed_state.values()]
+        self._seen_versions = [t._version for t in self._exposed]
+        # Set by the owner of the data moves (the fetch engine's ``run``): moves plans in their
+        # turn behind every queued move and waits. Only an update that comes after its plan's
+        # pins ended needs it (see ``apply_gradients``).
+        self.move_now: Optional[Callable[[List["FetchPlan"]], Any]] = None
         # The table's optimizer step counter (FBGEMM's TBE ``iter``: Adam's bias correction,
         # and the step that keys stochastic rounding). As in FBGEMM it advances on every
         # forward, eval included (``count_forward``); an update no forward counted advances it
@@ -257,9 +275,6 @@ class TieredTable:
         self._allocate_bookkeeping()
         self.stats = TableStats()
         self._in_flight = 0  # plans issued and not yet released
-        # Plans whose release was requested from a finalizer (a forward whose backward can no
-        # longer come); released at the store's next plan, flush or load (release_later).
-        self._orphans: List[FetchPlan] = []
         self._hot_rows = None if hot_rows is None else torch.unique(hot_rows.to(torch.int64))
         if self._hot_rows is not None:
             self.validate_rows(self._hot_rows)
@@ -366,8 +381,6 @@ class TieredTable:
 
         The bookkeeping runs on NumPy views of the store's tensors: a plan is some twenty
         small vector ops, and NumPy's cost per op is a fraction of eager PyTorch's."""
-        if self._orphans:
-            self.collect_orphans()
         r = rows.numpy()
         num_rows = r.shape[0]
         # Sorted rows: the first and the last bound them all.
@@ -590,6 +603,8 @@ class TieredTable:
         if not step:  # looked up without a counted forward (store-level callers)
             self.steps += 1
             step = int(self.steps)
+        if plan.released:
+            plan = self._plan_again(plan)
         if not plan.num_overflow:
             self._update_cache(plan.device_slots(), row_grads, step, plan.rows)
             self._dirty[plan.slots.numpy()] = True
@@ -601,6 +616,42 @@ class TieredTable:
             self._update_host(plan.overflow_rows, row_grads[(~in_cache).to(row_grads.device)], step)
         self.stats.updates += 1
         self.release(plan)
+
+    def _plan_again(self, plan: FetchPlan) -> FetchPlan:
+        """A plan whose pins ended before its update came (its owner's next training forward
+        came first): its rows may have been evicted or be about to move. They are planned
+        again (rows that do not fit are updated in the host tier) and moved in their turn
+        behind every queued move, so the update lands where each row is - the same result
+        as an update while pinned, on the critical path."""
+        if self.move_now is None:
+            raise StoreStateError(
+                f"table '{self.name}': the update of a batch came after its rows were released, and this "
+                f"store has no fetch engine to bring them back (set move_now)"
+            )
+        again = self._plan(plan.rows, None, overflow=True)
+        try:
+            self.move_now([again])
+        except BaseException:
+            self.release(again)
+            raise
+        self.stats.late_updates += 1
+        return again
+
+    def has_dirty(self) -> bool:
+        """Whether some cached row holds an update the host tier lacks."""
+        return bool(self._dirty.any())
+
+    def external_writes(self) -> bool:
+        """Whether the host tier's owner wrote it in place since the last call: PyTorch's
+        version counter of the tensors the store was given (weights, optimizer state) moved.
+        The store's own moves do not count (see ``__init__``). Writes that bypass the
+        counter (through ``.data``, NumPy or raw pointers) are not seen."""
+        now = [t._version for t in self._exposed]
+        if now == self._seen_versions:
+            return False
+        self._seen_versions = now
+        self.stats.external_writes += 1
+        return True
 
     def _update_cache(self, slots: torch.Tensor, grads: torch.Tensor, step: int, rows: torch.Tensor) -> None:
         # The gradients stay FP32 whatever the table's dtype: FBGEMM computes the update in
@@ -623,28 +674,13 @@ class TieredTable:
             return None
         return rows.to(where)
 
-    def release_later(self, plan: "FetchPlan") -> None:
-        """Asks for ``plan`` to be released at the store's next operation. For finalizers,
-        which may run on any thread between any two lines: a list append is all they do."""
-        self._orphans.append(plan)
-
-    def collect_orphans(self) -> int:
-        """Releases the plans ``release_later`` was asked to release; returns how many."""
-        n = 0
-        while self._orphans:
-            plan = self._orphans.pop()
-            n += not plan.released
-            self.release(plan)
-        return n
-
     def pinned_slots(self) -> int:
         """Slots pinned now by batches in flight (for messages)."""
         return int(np.count_nonzero(self._pins)) if not self.holds_every_row else 0
 
     @property
     def in_flight(self) -> int:
-        """Plans made and not yet released (orphans released first)."""
-        self.collect_orphans()
+        """Plans made and not yet released."""
         return self._in_flight
 
     def release(self, plan: FetchPlan) -> None:
@@ -711,7 +747,6 @@ class TieredTable:
     # ------------------------------------------------------------------ debugging
     def check_invariants(self, expect_drained: bool = False) -> None:
         """Verifies maps, pins and dirty state; raises ``StoreStateError`` on the first breach."""
-        self.collect_orphans()
         occ = torch.nonzero(self.slot_to_row >= 0).flatten()
         rows = self.slot_to_row[occ]
         problems = []
