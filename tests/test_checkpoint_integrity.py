@@ -363,7 +363,7 @@ def test_fuzzed_manifests_and_metadata_are_refused_in_one_line_and_write_nothing
             outcomes["read"] += 1
         assert _snapshot(run_dir) == before, (seed, what)
         shutil.rmtree(run_dir)
-    assert outcomes["refused"] >= 40, outcomes
+    assert outcomes["refused"] >= 50, outcomes  # 59 of these 60 seeds
 
 
 # ---------------------------------------------------------------------- what may change on resume
