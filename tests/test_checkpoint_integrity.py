@@ -95,7 +95,7 @@ def _reseal(step_dir: Path, manifest: Dict[str, Any] = None) -> None:
         for name in list(manifest["files"]):
             if (step_dir / name).is_file():
                 manifest["files"][name] = {"bytes": (step_dir / name).stat().st_size,
-                                           "blake2b": ck.file_digest(step_dir / name)}
+                                           "sha256": ck.file_digest(step_dir / name)}
     if isinstance(manifest, dict) and "seal" in manifest and hasattr(ck, "seal"):
         manifest["seal"] = ck.seal(manifest)
     (step_dir / "MANIFEST.json").write_text(json.dumps(manifest))

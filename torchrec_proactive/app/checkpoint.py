@@ -15,7 +15,7 @@ power: DCP's ``.metadata`` (a pickle) is read by :mod:`torchrec_proactive.checkp
 reader, which admits only DCP's own metadata classes and refuses pickled objects and any file
 name that leaves the step directory.
 
-Damage is refused, not loaded: the manifest records every file's size and BLAKE2b checksum
+Damage is refused, not loaded: the manifest records every file's size and SHA-256 checksum
 (``files``) and its own (``seal``); a load verifies them all first (each rank a share of the
 files) and a mismatch is one line naming the file and the checkpoints that are intact.
 
@@ -173,9 +173,9 @@ def decode(obj: Any, where: Any, what: str) -> Any:
 
 
 def seal(manifest: Mapping[str, Any]) -> str:
-    """The manifest's own checksum: BLAKE2b of its canonical JSON without ``seal``."""
+    """The manifest's own checksum: SHA-256 of its canonical JSON without ``seal``."""
     body = json.dumps({k: v for k, v in manifest.items() if k != "seal"}, sort_keys=True, allow_nan=True)
-    return hashlib.blake2b(body.encode(), digest_size=32).hexdigest()
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------- reading files safely
@@ -288,7 +288,7 @@ class Checkpointer:
         names: List[Any] = [sorted(p.name for p in target.iterdir() if p.is_file()) if self.rank == 0 else None]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(names, src=0)
-        share = {n: {"bytes": (target / n).stat().st_size, "blake2b": file_digest(target / n)}
+        share = {n: {"bytes": (target / n).stat().st_size, "sha256": file_digest(target / n)}
                  for n in names[0][self.rank::self.world_size]}
         return {k: v for part in _gather(share) for k, v in sorted(part.items())}
 
@@ -397,7 +397,7 @@ class Checkpointer:
                 size = file.stat().st_size
                 if size != want["bytes"]:
                     out.append((name, f"{size} bytes, {want['bytes']} when it was saved (damaged)"))
-                elif file_digest(file) != want["blake2b"]:
+                elif file_digest(file) != want["sha256"]:
                     out.append((name, "its bytes do not match the checksum recorded when it was saved (damaged)"))
             except CheckpointReadError as e:
                 out.append((name, _first_line(str(e))))
@@ -512,9 +512,9 @@ def _check_files(manifest: Dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"{where}: records no checksum of {METADATA} (files: {type(files).__name__}); refusing "
                               f"to load it")
     for name, entry in files.items():
-        if not isinstance(entry, dict) or set(entry) != {"bytes", "blake2b"} or not isinstance(entry["bytes"], int) \
-                or isinstance(entry["bytes"], bool) or not isinstance(entry["blake2b"], str) \
-                or not _HEX64.fullmatch(entry["blake2b"]):
+        if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} or not isinstance(entry["bytes"], int) \
+                or isinstance(entry["bytes"], bool) or not isinstance(entry["sha256"], str) \
+                or not _HEX64.fullmatch(entry["sha256"]):
             raise CheckpointError(f"{where}: the record of {name!r} is {entry!r}, not a size and checksum; refusing "
                                   f"to load it")
         if "/" in name or name in (".", "..", MANIFEST) or "\0" in name:
