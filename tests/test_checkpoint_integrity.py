@@ -427,6 +427,13 @@ def test_a_two_rank_run_resumed_on_one_rank_says_what_was_done_and_what_remains(
     line = next(line for line in more.err.splitlines() if "resumed from" in line)
     assert f"10 steps = {10 * batch} samples remain" in line, line
     assert more.result()["steps"] == 30 and not more.result()["already_finished"]
+    # on 2 ranks, a damaged shard of the latest is refused by every rank alike (each hashed a
+    # share of the files): one line, exit 2, no rank left waiting
+    latest = out / "checkpoints" / (out / "checkpoints" / "LATEST").read_text()
+    name, offset, length = _table_record(latest)
+    _flip(latest / name, offset + length // 2)
+    damaged = cli("train", "--nproc", "2", *args, "train.max_steps=40", "train.resume=true")
+    assert_user_error(damaged, f"{latest.name}/{name}", "checksum", "intact checkpoints")
 
 
 def test_progress_is_described_in_steps_and_samples():
