@@ -487,7 +487,8 @@ class Checkpointer:
         nested: Dict[str, Any] = {}
         for fqn, tensor in flat.items():
             mapping = md.planner_data.get(fqn, (fqn,)) if isinstance(md.planner_data, dict) else (fqn,)
-            if not isinstance(mapping, (tuple, list)) or not mapping or not all(isinstance(p, (str, int)) for p in mapping):
+            if not isinstance(mapping, (tuple, list)) or not mapping or \
+                    not all(isinstance(p, (str, int)) for p in mapping):
                 raise CheckpointError(f"{path}: its {METADATA} maps {fqn!r} to {mapping!r}; refusing to load it")
             node = nested
             for part in mapping[:-1]:
