@@ -111,11 +111,18 @@ def test_a_damaged_or_altered_checkpoint_is_refused_in_one_line(tmp_path: Path):
     manifest = json.loads((last / "MANIFEST.json").read_text())
     manifest["position"]["step"] = 99999
     (last / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="MANIFEST.json: was changed or damaged after the save"):
+        ckpt.manifest(last)
+    # ... and re-sealed, it is still refused: the step must be the directory's
+    from torchrec_proactive.app.checkpoint import seal
+
+    manifest["seal"] = seal(manifest)
+    (last / "MANIFEST.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="says step 99999, the directory says step_00000006"):
         ckpt.manifest(last)
     earlier = ckpt.complete()[0]
     data = next(earlier.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=rf"{earlier.name}: cannot be read, it is damaged") as info:
+    with pytest.raises(CheckpointError, match=rf"{earlier.name}/{data.name}: 100 bytes, \d+ when it was saved") as info:
         ckpt.load(earlier, None)
     assert isinstance(info.value, UserError) and "\n" not in str(info.value)

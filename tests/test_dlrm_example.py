@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from torchrec_proactive.app.autodepth import choose_depth
-from torchrec_proactive.app.checkpoint import LATEST, MANIFEST, Checkpointer, check_compatible
+from torchrec_proactive.app.checkpoint import LATEST, MANIFEST, Checkpointer
+from torchrec_proactive.app.resume import refuse_changes as check_compatible
 from torchrec_proactive.launch import run_ranks
 
 pytestmark = pytest.mark.multiprocess

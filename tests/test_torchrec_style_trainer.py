@@ -63,3 +63,29 @@ def test_two_line_swap_matches_stock_and_checkpoints_interoperate(tmp_path):
     _run(tmp_path / "pro_resumed", "--proactive", "--resume", stock["checkpoint"])
     _run(tmp_path / "stock_resumed", "--resume", pro["checkpoint"])
     assert _max_diff(_params(tmp_path / "pro_resumed"), _params(tmp_path / "stock_resumed")) < 1e-5
+
+
+def test_resume_reads_the_checkpoint_safely(tmp_path):
+    """The example resumes through ``torchrec_proactive.checkpoint.load_checkpoint``: a
+    ``.metadata`` whose pickle would run code is refused before it runs, one line naming it."""
+    import pickle
+
+    crafted, pwned = tmp_path / "crafted", tmp_path / "pwned"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(pickle.dumps(_Exploit(str(pwned))))
+    (crafted / "step.json").write_text('{"step": 0}')
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(TRAIN), "--out", str(tmp_path / "out"), "--steps", "2", "--nproc", "1",
+                           "--resume", str(crafted)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert not pwned.exists(), "the checkpoint's pickle ran code"
+    assert f"{crafted}/.metadata: not a tensor checkpoint's metadata" in proc.stderr, proc.stderr[-3000:]
+    assert "refusing to load it" in proc.stderr
+
+
+class _Exploit:
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.target}",))

@@ -8,6 +8,8 @@ used without TorchRec; ``dir(torchrec_proactive)`` lists it):
 * :class:`ProactiveShardedEmbeddingBagCollection` - the sharded module the sharder builds.
 * :class:`LinkModel` - an emulated host-to-device link for CPU runs (``torchrec_proactive.fetch``).
 * :mod:`torchrec_proactive.store` / :mod:`torchrec_proactive.fetch` - the store and fetch engine.
+* :func:`load_checkpoint` - ``dcp.load`` that reads ``.metadata`` safely (no code from the
+  checkpoint runs) and refuses files outside the checkpoint (:mod:`torchrec_proactive.checkpoint`).
 """
 
 import importlib as _importlib
@@ -20,8 +22,10 @@ _LAZY = {
     "ProactiveShardedEmbeddingBagCollection": "torchrec_proactive.integration.sharded_ebc",
     "ProactiveTrainPipeline": "torchrec_proactive.integration.pipeline",
     "LinkModel": "torchrec_proactive.fetch",
+    "load_checkpoint": "torchrec_proactive.checkpoint",
 }
-_SUBMODULES = ("fetch", "store", "integration", "data", "config", "app", "bench", "planning", "launch", "cli")
+_SUBMODULES = ("fetch", "store", "integration", "data", "config", "app", "bench", "planning", "launch", "cli",
+               "checkpoint")
 
 __all__ = [*_LAZY, "__version__"]
 

@@ -7,7 +7,9 @@
 
 Planner + ``ParameterConstraints`` + ``DistributedModelParallel`` + ``TrainPipelineSparseDist``,
 periodic eval through ``pipeline.detach()`` and plain forwards, a ``torch.distributed.checkpoint``
-at the end (``--resume DIR`` continues from one, stock or proactive). Switching to the plugin
+at the end (``--resume DIR`` continues from one, stock or proactive, read with
+``torchrec_proactive.checkpoint.load_checkpoint``: stock ``dcp.load`` unpickles ``.metadata``
+as it is, so a crafted checkpoint could run code). Switching to the plugin
 is the two lines marked ``# <- the plugin``. The constraint asks for ``fused_uvm_caching``
 (the host tier + device cache) with the plugin; stock TorchRec has no UVM cache on CPU, so
 there the same constraint names ``fused`` - that is the plan, not the code.
@@ -36,6 +38,8 @@ from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from torchrec_proactive.checkpoint import load_checkpoint
 
 DENSE_IN, DIM = 8, 16
 
@@ -92,7 +96,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     step0 = 0
     if args.resume:
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        dcp.load(state, checkpoint_id=args.resume)
+        load_checkpoint(state, args.resume)  # dcp.load, with .metadata read safely and confined
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         step0 = json.load(open(os.path.join(args.resume, "step.json")))["step"]

@@ -11,8 +11,13 @@ Tensors go to DCP - ``ShardedTensor`` tables and optimizer state by their global
 replicated dense tensors once - so loading into a model sharded for another world size reads
 each rank's rows wherever they were written. Everything else (position, RNG states, results,
 the optimizer's param groups) goes to the manifest as JSON. Nothing is read with pickle's full
-power: DCP's ``.metadata`` (a pickle) is read by an unpickler that admits only DCP's own
-metadata classes, and a checkpoint holding pickled objects instead of tensors is refused.
+power: DCP's ``.metadata`` (a pickle) is read by :mod:`torchrec_proactive.checkpoint`'s
+reader, which admits only DCP's own metadata classes and refuses pickled objects and any file
+name that leaves the step directory.
+
+Damage is refused, not loaded: the manifest records every file's size and SHA-256 checksum
+(``files``) and its own (``seal``); a load verifies them all first (each rank a share of the
+files) and a mismatch is one line naming the file and the checkpoints that are intact.
 
 "Has a manifest" means "complete": a re-written step directory loses its manifest first, the
 manifest is written (``fsync``, ``os.replace``) only after DCP's collective save returned on
@@ -23,11 +28,13 @@ every rank, and ``LATEST`` after it. An interrupted save leaves the previous che
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
 import json
 import logging
 import os
-import pickle
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -41,15 +48,16 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from .compose import diff
+from ..checkpoint import METADATA, CheckpointReadError, SafeFileSystemReader, confined, file_digest
 from .errors import CheckpointError, ConfigError
-from .rundir import LATEST, MANIFEST, complete_checkpoints, latest_checkpoint
+from .resume import refuse_changes
+from .rundir import LATEST, MANIFEST, STEP_DIR, complete_checkpoints, latest_checkpoint
 
-FORMAT = 2  # 1: one torch.save file per rank (same world size only, unpickled on load)
-# Keys whose change makes a checkpoint meaningless to continue from. Prefetch depth, link,
-# logging, length of training and paths may change on resume (depth never changes numerics).
-_MUST_MATCH = ("model.", "data.", "sharding.", "cache.", "optimizer.", "train.batch_size", "train.seed")
-_MAY_DIFFER = ("data.root", "data.preprocessed_dir", "cache.fit_depth")
+# 3: per-file checksums and the manifest's seal. 2: neither (still read, its bytes unverified).
+# 1: one torch.save file per rank (unpickled on load: refused).
+FORMAT = 3
+_READABLE = (2, 3)
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -111,67 +119,72 @@ def to_json(obj: Any) -> Any:
 
 
 def from_json(obj: Any) -> Any:
+    """The inverse of :func:`to_json`. Raises ``ValueError``/``TypeError`` on a value it did
+    not write (a tag with other keys, an unknown dtype, a shape that does not fit the bytes)."""
     if isinstance(obj, list):
         return [from_json(v) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if "__tensor__" in obj:
-        raw = np.frombuffer(base64.b64decode(obj["__tensor__"]), dtype=_numpy_dtype(obj["dtype"]))
-        return torch.from_numpy(raw.copy()).view(obj["shape"])
+        _tag_keys(obj, {"__tensor__", "dtype", "shape"})
+        raw = np.frombuffer(base64.b64decode(obj["__tensor__"], validate=True), dtype=_numpy_dtype(obj["dtype"]))
+        return torch.from_numpy(raw.copy()).view(_shape(obj["shape"]))
     if "__ndarray__" in obj:
-        return np.frombuffer(base64.b64decode(obj["__ndarray__"]), dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+        _tag_keys(obj, {"__ndarray__", "dtype", "shape"})
+        if not isinstance(obj["dtype"], str) or np.dtype(obj["dtype"]).hasobject:
+            raise TypeError(f"array dtype {obj['dtype']!r}")
+        return np.frombuffer(base64.b64decode(obj["__ndarray__"], validate=True),
+                             dtype=np.dtype(obj["dtype"])).reshape(_shape(obj["shape"])).copy()
     if "__tuple__" in obj:
+        _tag_keys(obj, {"__tuple__"})
+        if not isinstance(obj["__tuple__"], list):
+            raise TypeError(f"a tuple tag holding a {type(obj['__tuple__']).__name__}")
         return tuple(from_json(v) for v in obj["__tuple__"])
     return {k: from_json(v) for k, v in obj.items()}
 
 
-def _numpy_dtype(torch_dtype_name: str) -> np.dtype:
-    return torch.empty(0, dtype=getattr(torch, torch_dtype_name)).numpy().dtype
+def _tag_keys(obj: Dict[str, Any], keys: set) -> None:
+    if set(obj) != keys:
+        raise ValueError(f"a tagged value with the keys {sorted(obj)}, not {sorted(keys)}")
 
 
-# ---------------------------------------------------------------------- safe DCP reading
-# What DCP's .metadata pickle may name: its own metadata dataclasses and the torch types they
-# hold. Anything else (a function, a class with a __reduce__ that runs code) is refused.
-_SAFE_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                 "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
-_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+def _shape(shape: Any) -> List[int]:
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                              for n in shape):
+        raise TypeError(f"shape {shape!r}")
+    return shape
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor checkpoint's metadata")
+def _numpy_dtype(torch_dtype_name: Any) -> np.dtype:
+    dtype = getattr(torch, torch_dtype_name, None) if isinstance(torch_dtype_name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype tag {torch_dtype_name!r} is not a torch dtype")
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader, except that ``.metadata`` is unpickled with an allow-list and a
-    checkpoint that stores pickled objects (DCP's planner would unpickle them without the
-    tensors-only restriction) is refused; DCP reads the tensors themselves tensors-only."""
+def decode(obj: Any, where: Any, what: str) -> Any:
+    """:func:`from_json` of a manifest's ``what``, a :class:`CheckpointError` if it cannot be."""
+    try:
+        return from_json(obj)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, binascii.Error) as e:
+        raise CheckpointError(f"{where}: its {MANIFEST} holds a {what} this program did not write "
+                              f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); refusing to load "
+                              f"it") from None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        try:
-            with self.fs.create_stream(path, "rb") as fh:
-                metadata = _MetadataUnpickler(fh).load()
-        except (pickle.UnpicklingError, AttributeError, ImportError) as err:
-            raise CheckpointError(f"{path}: not a tensor checkpoint this program wrote ({err}); refusing to load it") from None
-        if not isinstance(metadata, dcp_metadata.Metadata):
-            raise CheckpointError(f"{path}: not a DCP metadata file; refusing to load it")
-        objects = sorted(k for k, v in metadata.state_dict_metadata.items()
-                         if not isinstance(v, dcp_metadata.TensorStorageMetadata))
-        if objects:
-            raise CheckpointError(f"{path}: holds pickled objects, not tensors ({objects[:3]}); refusing to load it")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+
+def seal(manifest: Mapping[str, Any]) -> str:
+    """The manifest's own checksum: SHA-256 of its canonical JSON without ``seal``."""
+    body = json.dumps({k: v for k, v in manifest.items() if k != "seal"}, sort_keys=True, allow_nan=True)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------- reading files safely
+def read_metadata(path: Path) -> dcp_metadata.Metadata:
+    """The checkpoint's DCP metadata, read safely (:mod:`torchrec_proactive.checkpoint`)."""
+    try:
+        return SafeFileSystemReader(str(path)).read_metadata()
+    except CheckpointReadError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _split(payload: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -207,12 +220,26 @@ def _merge(into: Dict[str, Any], other: Mapping[str, Any]) -> Dict[str, Any]:
     return into
 
 
+def _gather(value: Any) -> List[Any]:
+    """``value`` of every rank (just this one outside a process group of several)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _first_line(text: str) -> str:
+    return ([line for line in text.strip().splitlines() if line.strip()] or [""])[0][:160]
+
+
 class Checkpointer:
     """Saves and loads a trainer's state under ``directory`` (see the module docstring).
 
-    ``save``/``load`` are collective. ``per_rank`` names payload keys whose values differ
-    between ranks (RNG states, each rank's results): each rank's are kept, and a rank of a
-    run with another world size takes those of saved rank ``rank % saved_world_size``.
+    ``save``/``load``/``verify`` are collective. ``per_rank`` names payload keys whose values
+    differ between ranks (RNG states, each rank's results): each rank's are kept, and a rank
+    of a run with another world size takes those of saved rank ``rank % saved_world_size``.
+    Every refusal is a :class:`CheckpointError` with a one-line message, raised on every rank.
     """
 
     def __init__(self, directory: Path, rank: int, world_size: int, keep: int, log: logging.Logger) -> None:
@@ -221,6 +248,7 @@ class Checkpointer:
         self.world_size = world_size
         self.keep = keep
         self.log = log
+        self._verified: Dict[Path, str] = {}  # checkpoint -> seal of the manifest its files matched
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, payload: Dict[str, Any], manifest_extra: Dict[str, Any],
@@ -237,14 +265,16 @@ class Checkpointer:
         shared = {k: v for k, v in payload.items() if k not in per_rank}
         tensors, rest = _split(shared)
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(target)))
+        files = self._digests(target)
         mine = to_json({k: payload[k] for k in per_rank if k in payload})
         everyone: List[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         if self.rank == 0:
             manifest = {
                 "format": FORMAT, "step": step, "world_size": self.world_size, "created": time.time(),
-                "state": to_json(rest), "ranks": everyone, **manifest_extra,
+                "state": to_json(rest), "ranks": everyone, "files": files, **manifest_extra,
             }
+            manifest["seal"] = seal(manifest)
             atomic_write(target / MANIFEST, lambda fh: fh.write(json.dumps(manifest, indent=1).encode()))
             atomic_write(self.directory / LATEST, lambda fh: fh.write(target.name.encode()))
             self._prune(keep_name=target.name)
@@ -252,44 +282,153 @@ class Checkpointer:
         self.log.info("checkpoint %s written (%d ranks)", target, self.world_size)
         return target
 
+    def _digests(self, target: Path) -> Dict[str, Dict[str, Any]]:
+        """Collective: size and checksum of every file DCP wrote in ``target``, each rank
+        reading a share of them (rank 0 lists them: DCP's save returned on every rank)."""
+        names: List[Any] = [sorted(p.name for p in target.iterdir() if p.is_file()) if self.rank == 0 else None]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(names, src=0)
+        share = {n: {"bytes": (target / n).stat().st_size, "sha256": file_digest(target / n)}
+                 for n in names[0][self.rank::self.world_size]}
+        return {k: v for part in _gather(share) for k, v in sorted(part.items())}
+
     def _prune(self, keep_name: str) -> None:
         complete = self.complete()
         for old in complete[: max(len(complete) - self.keep, 0)]:
             if old.name != keep_name:
                 shutil.rmtree(old, ignore_errors=True)
 
-    # ------------------------------------------------------------------ find / load
+    # ------------------------------------------------------------------ find / check
     def complete(self) -> List[Path]:
         """Complete checkpoints, oldest first."""
         return complete_checkpoints(self.directory)
 
     def latest(self) -> Optional[Path]:
-        """The newest complete checkpoint (``LATEST`` if it is complete), or ``None``."""
+        """The newest complete checkpoint (``LATEST`` if it is complete), or ``None``.
+        A ``LATEST`` naming anything but a step directory of this directory is refused."""
         return latest_checkpoint(self.directory)
 
-    def manifest(self, path: Path) -> Dict[str, Any]:
+    def manifest(self, path: Path, explain: bool = True) -> Dict[str, Any]:
+        """The checkpoint's manifest, checked: its seal, every field's type, the step against
+        the directory's name, and every file name inside the directory. ``explain``: name the
+        intact checkpoints in a refusal."""
+        path = Path(path)
+        others = (lambda: self._others(path)) if explain else (lambda: "")
+        where = path / MANIFEST
         try:
-            manifest = json.loads((Path(path) / MANIFEST).read_text())
+            manifest = json.loads(where.read_text())
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: its {MANIFEST} cannot be read ({e}); refusing to load it") from None
-        steps = [manifest.get("step"), manifest.get("position", {}).get("step")] if isinstance(manifest, dict) else []
-        for step in (s for s in steps if s is not None):
-            if Path(path).name.startswith("step_") and step_dir_name(int(step)) != Path(path).name:
-                raise CheckpointError(
-                    f"{path}: its {MANIFEST} says step {step}, the directory says {Path(path).name}; the manifest "
-                    f"was changed after the save, refusing to load it"
-                )
-        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: its {MANIFEST} cannot be read ({_first_line(str(e))}); refusing to "
+                                  f"load it{others()}") from None
+        if not isinstance(manifest, dict):
+            raise CheckpointError(f"{where}: holds a {type(manifest).__name__}, not a manifest; refusing to load it")
+        if manifest.get("format") not in _READABLE or isinstance(manifest.get("format"), bool):
             raise ConfigError(
-                f"{path}: checkpoint format {manifest.get('format')} is not {FORMAT} (format 1 checkpoints, one "
+                f"{path}: checkpoint format {manifest.get('format')!r} is not {FORMAT} (format 1 checkpoints, one "
                 f"pickled file per rank, are not loaded: loading them could run code from the checkpoint directory)"
             )
+        if manifest["format"] >= 3 and manifest.get("seal") != seal(manifest):
+            raise CheckpointError(f"{where}: was changed or damaged after the save (its checksum does not match); "
+                                  f"refusing to load it{others()}")
+        if not STEP_DIR.fullmatch(path.name):  # the step check below must not be skippable by a name
+            raise CheckpointError(f"{path}: not a checkpoint directory (those are named step_<8 digits>, after "
+                                  f"their step); refusing to load it")
+        _expect(manifest, where, "step", int)
+        _expect(manifest, where, "world_size", int)
+        _expect(manifest, where, "ranks", list)
+        _expect(manifest, where, "state", dict)
+        _expect(manifest, where, "created", (int, float))
+        if "config" in manifest:
+            _expect(manifest, where, "config", dict)
+        if step_dir_name(manifest["step"]) != path.name:
+            raise CheckpointError(
+                f"{path}: its {MANIFEST} says step {manifest['step']}, the directory says {path.name}; the manifest "
+                f"was changed after the save, refusing to load it"
+            )
+        if manifest["world_size"] < 1 or len(manifest["ranks"]) != manifest["world_size"] or \
+                not all(isinstance(r, dict) for r in manifest["ranks"]):
+            raise CheckpointError(f"{where}: world_size {manifest['world_size']} with {len(manifest['ranks'])} "
+                                  f"ranks' entries (one mapping per saved rank expected); refusing to load it")
+        for position in (manifest.get("position"), manifest["state"].get("position")):  # (the trainer's)
+            if isinstance(position, dict) and position.get("step") != manifest["step"]:
+                raise CheckpointError(
+                    f"{path}: its {MANIFEST} says step {position.get('step')!r}, the directory says {path.name}; the "
+                    f"manifest was changed after the save, refusing to load it"
+                )
+        if manifest["format"] >= 3:
+            _check_files(manifest, path)
         return manifest
+
+    def verify(self, path: Path) -> Dict[str, Any]:
+        """Collective. The checked manifest, once every file matches its recorded size and
+        checksum (each rank hashes a share) and the DCP metadata reads safely and names only
+        recorded files. Refuses, on every rank alike, naming the file and the intact checkpoints."""
+        path = Path(path)
+        manifest = self.manifest(path)
+        if self._verified.get(path) == manifest.get("seal", "unsealed"):
+            return manifest
+        bad = _gather(self._damaged(path, manifest, self.rank, self.world_size))
+        bad = sorted(b for part in bad for b in part)
+        if bad:
+            raise CheckpointError(f"{path / bad[0][0]}: {bad[0][1]}; refusing to load {path.name}"
+                                  f"{' (and ' + str(len(bad) - 1) + ' more files)' if len(bad) > 1 else ''}"
+                                  f"{self._others(path)}")
+        md = read_metadata(path)
+        if manifest["format"] >= 3:
+            unrecorded = sorted({s.relative_path for s in md.storage_data.values()} - set(manifest["files"]))
+            if unrecorded:
+                raise CheckpointError(f"{path}: its {METADATA} names {unrecorded[0]!r}, a file its {MANIFEST} does not "
+                                      f"record; refusing to load it{self._others(path)}")
+        else:
+            self.log.warning("checkpoint %s: format 2, written without checksums: its files are not verified", path)
+        self._verified[path] = manifest.get("seal", "unsealed")
+        return manifest
+
+    @staticmethod
+    def _damaged(path: Path, manifest: Dict[str, Any], rank: int, world_size: int) -> List[Tuple[str, str]]:
+        """(file, what is wrong) for this rank's share of the recorded files."""
+        if manifest["format"] < 3:
+            return []
+        out = []
+        for name in sorted(manifest["files"])[rank::world_size]:
+            want = manifest["files"][name]
+            try:
+                file = confined(path, name)
+                size = file.stat().st_size
+                if size != want["bytes"]:
+                    out.append((name, f"{size} bytes, {want['bytes']} when it was saved (damaged)"))
+                elif file_digest(file) != want["sha256"]:
+                    out.append((name, "its bytes do not match the checksum recorded when it was saved (damaged)"))
+            except CheckpointReadError as e:
+                out.append((name, _first_line(str(e))))
+            except OSError as e:
+                out.append((name, f"cannot be read ({e.strerror or type(e).__name__})"))
+        return out
+
+    def intact(self, but: Optional[Path] = None) -> List[Path]:
+        """This rank's look at the other complete checkpoints: those whose manifest and files
+        all check out (every file hashed here: only for a message after a refusal)."""
+        out = []
+        for other in self.complete():
+            if but is not None and other == Path(but):
+                continue
+            try:
+                manifest = self.manifest(other, explain=False)
+                if not self._damaged(other, manifest, 0, 1):
+                    read_metadata(other)
+                    out.append(other)
+            except CheckpointError:
+                continue
+        return out
+
+    def _others(self, path: Path) -> str:
+        names = [p.name for p in self.intact(but=path)]
+        return (f"; intact checkpoints in {self.directory}: {', '.join(names)} (delete {Path(path).name} to resume "
+                f"from the latest of them)" if names else f"; no other intact checkpoint in {self.directory}")
 
     def saved_keys(self, path: Path) -> List[str]:
         """The flattened names of the tensors the checkpoint holds."""
-        reader = SafeFileSystemReader(str(path))
-        return sorted(reader.read_metadata().state_dict_metadata)
+        return sorted(read_metadata(path).state_dict_metadata)
 
     def unplaced_keys(self, path: Path, template: Dict[str, Any]) -> List[str]:
         """The checkpoint's tensors ``template`` has no place for (e.g. optimizer state that
@@ -297,17 +436,21 @@ class Checkpointer:
         tensors, _ = _split(template)
         return sorted(set(self.saved_keys(path)) - set(flatten_state_dict(tensors)[0]))
 
+    # ------------------------------------------------------------------ load
     def load(self, path: Path, config_flat: Optional[Dict[str, Any]], map_location: Any = "cpu",
              template: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """The saved payload. Tensors are loaded into ``template`` (the live model's and
-        optimizer's state dicts: ``ShardedTensor`` entries get this rank's rows, whatever the
-        world size that wrote them) and returned in it; without a template every tensor comes
-        back whole, on ``map_location``. Refuses a checkpoint whose config differs where it must
-        not (``check_compatible``; ``config_flat=None``: only reading it, no check)."""
+        """The saved payload, after :meth:`verify`. Tensors are loaded into ``template`` (the
+        live model's and optimizer's state dicts: ``ShardedTensor`` entries get this rank's
+        rows, whatever the world size that wrote them) and returned in it; without a template
+        every tensor comes back whole, on ``map_location``. Refuses a checkpoint whose config
+        differs where the saved state would be wrong (:func:`~.resume.refuse_changes`; ``config_flat=None``:
+        only reading it, no check)."""
         path = Path(path)
-        manifest = self.manifest(path)
+        manifest = self.verify(path)
         if config_flat is not None:
-            check_compatible(manifest.get("config", {}), config_flat, path)
+            refuse_changes(manifest.get("config", {}), config_flat, path)
+        state = decode(manifest["state"], path, "saved state")
+        ranks = decode(manifest["ranks"], path, "per-rank state")
         saved = self.saved_keys(path)
         if template is None:
             template = self._whole_tensors(path, map_location)
@@ -316,29 +459,27 @@ class Checkpointer:
         missing = sorted(set(flat) - set(saved))
         if missing:
             raise CheckpointError(f"{path}: holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
-                             f"({len(missing)} tensors this model needs)")
+                                  f"({len(missing)} tensors this model needs)")
         try:
             dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
-            # A truncated or overwritten file: say which checkpoint, why, and what else there is.
+            # Bytes that match their checksums and still do not load (a format 2 checkpoint, or
+            # metadata that contradicts the shards): say which checkpoint, why, what else there is.
             # (DCP's message is each rank's traceback: its last line says what went wrong.)
             cause = ([line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__])[-1]
-            others = [p.name for p in self.complete() if p != path]
             raise CheckpointError(
-                f"{path}: cannot be read, it is damaged ({cause.split('. ')[0][:160]}); delete it to resume from "
-                f"an earlier checkpoint ({', '.join(others) if others else 'none is left'})"
-            ) from e
-        ranks = [from_json(r) for r in manifest["ranks"]]
-        out = _merge(from_json(manifest.get("state", {})), tensors)
+                f"{path}: cannot be read, it is damaged ({cause.split('. ')[0][:160]}){self._others(path)}"
+            ) from None
+        out = _merge(state, tensors)
         out = _merge(out, ranks[self.rank % len(ranks)])
         out["saved_ranks"] = ranks  # every saved rank's per-rank values
         return out
 
     def _whole_tensors(self, path: Path, map_location: Any) -> Dict[str, Any]:
         """Empty full-size tensors for every tensor in the checkpoint, nested as saved."""
-        md = SafeFileSystemReader(str(path)).read_metadata()
+        md = read_metadata(path)
         flat = {
             fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype, device=map_location)
             for fqn, m in md.state_dict_metadata.items()
@@ -346,11 +487,40 @@ class Checkpointer:
         nested: Dict[str, Any] = {}
         for fqn, tensor in flat.items():
             mapping = md.planner_data.get(fqn, (fqn,)) if isinstance(md.planner_data, dict) else (fqn,)
+            if not isinstance(mapping, (tuple, list)) or not mapping or \
+                    not all(isinstance(p, (str, int)) for p in mapping):
+                raise CheckpointError(f"{path}: its {METADATA} maps {fqn!r} to {mapping!r}; refusing to load it")
             node = nested
             for part in mapping[:-1]:
                 node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise CheckpointError(f"{path}: its {METADATA} nests {fqn!r} inside a tensor; refusing to load it")
             node[mapping[-1]] = tensor
         return nested
+
+
+def _expect(manifest: Dict[str, Any], where: Path, key: str, kind: Any) -> None:
+    value = manifest.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) or (isinstance(value, int) and value < 0):
+        raise CheckpointError(f"{where}: {key} is {value!r}, not a {getattr(kind, '__name__', 'number')} this program "
+                              f"writes; refusing to load it")
+
+
+def _check_files(manifest: Dict[str, Any], path: Path) -> None:
+    files = manifest.get("files")
+    where = path / MANIFEST
+    if not isinstance(files, dict) or METADATA not in files:
+        raise CheckpointError(f"{where}: records no checksum of {METADATA} (files: {type(files).__name__}); refusing "
+                              f"to load it")
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} or not isinstance(entry["bytes"], int) \
+                or isinstance(entry["bytes"], bool) or not isinstance(entry["sha256"], str) \
+                or not _HEX64.fullmatch(entry["sha256"]):
+            raise CheckpointError(f"{where}: the record of {name!r} is {entry!r}, not a size and checksum; refusing "
+                                  f"to load it")
+        if "/" in name or name in (".", "..", MANIFEST) or "\0" in name:
+            raise CheckpointError(f"{where}: records {name!r}, which is not a file of the checkpoint directory; "
+                                  f"refusing to load it")
 
 
 def fused_optimizer_step(model: torch.nn.Module) -> Optional[int]:
@@ -362,11 +532,12 @@ def fused_optimizer_step(model: torch.nn.Module) -> Optional[int]:
     return None
 
 
-def restore_param_groups(current: List[Dict[str, Any]], saved_ranks: Sequence[Sequence[Dict[str, Any]]]
-                         ) -> List[Dict[str, Any]]:
+def restore_param_groups(current: List[Dict[str, Any]], saved_ranks: Sequence[Sequence[Dict[str, Any]]],
+                         keep: Sequence[str] = ()) -> List[Dict[str, Any]]:
     """The live optimizer's param groups (which name this rank's parameters) with the
-    hyper-parameters (``lr`` ...) of the saved group holding the same parameters on any saved
-    rank; a group no saved rank held keeps its own (the config they come from must match)."""
+    hyper-parameters of the saved group holding the same parameters on any saved rank, except
+    those named in ``keep`` (e.g. ``lr``: a resumed run may set a new rate); a group no saved
+    rank held keeps its own."""
     by_param: Dict[str, Dict[str, Any]] = {}
     for groups in saved_ranks:
         for group in groups:
@@ -376,16 +547,6 @@ def restore_param_groups(current: List[Dict[str, Any]], saved_ranks: Sequence[Se
     for group in current:
         match = next((by_param[str(p)] for p in group["params"] if str(p) in by_param), None)
         out.append(group if match is None else {**{k: v for k, v in match.items() if k != "params"},
+                                                **{k: group[k] for k in keep if k in group},
                                                 "params": group["params"]})
     return out
-
-
-def check_compatible(saved: Dict[str, Any], current: Dict[str, Any], where: Any) -> None:
-    keys: Sequence[str] = [
-        k for k in sorted(set(saved) | set(current))
-        if k.startswith(_MUST_MATCH) and k not in _MAY_DIFFER
-    ]
-    changed = diff(saved, current, keys)
-    if changed:
-        detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
-        raise ConfigError(f"cannot resume from {where}: the config changed ({detail})")

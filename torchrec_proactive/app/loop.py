@@ -19,7 +19,7 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
@@ -30,6 +30,8 @@ from ..config.schema import Config
 from .autodepth import agree, cache_depth_limit, choose_depth
 from .checkpoint import Checkpointer, fused_optimizer_step, restore_param_groups, rng_state, set_rng_state
 from .compose import config_hash, flatten
+from .resume import describe_changes, describe_progress, refuse_changes
+from .saved_state import check_saved_state
 from .data import Loaders
 from .env import RankEnv
 from .warmup import DenseWarmup
@@ -52,6 +54,17 @@ def rescale_position(pos: Position, saved_world: int, world: int, steps_per_epoc
     counts the new steps of the finished epochs plus the current one's."""
     batch = min(pos.batch_in_epoch * saved_world // world, steps_per_epoch)
     return Position(step=pos.epoch * steps_per_epoch + batch, epoch=pos.epoch, batch_in_epoch=batch)
+
+
+def check_resume(ckpt: Checkpointer, path: Any, cfg: Config) -> Dict[str, Any]:
+    """Collective; reads only. Refuses (:class:`CheckpointError`/``ConfigError``, every rank
+    alike) a checkpoint whose files do not match their checksums, whose config differs where
+    the saved state would be wrong, or whose saved values this trainer did not write; returns
+    the config changes that are allowed (see :mod:`.resume`)."""
+    manifest = ckpt.verify(path)
+    changes = refuse_changes(manifest.get("config", {}), flatten(cfg), path)
+    check_saved_state(manifest, path, [f.name for f in fields(Position)])
+    return changes
 
 
 @dataclass
@@ -120,6 +133,10 @@ class Trainer:
         if path is None:
             self.log.info("train.resume: no complete checkpoint in %s, starting from scratch", self.ckpt.directory)
             return
+        changes = check_resume(self.ckpt, path, self.cfg)
+        if changes:
+            self.log.info("train.resume: config changed since %s (none of it changes the saved state): %s",
+                          path.name, describe_changes(changes))
         if any(k.startswith("optimizer.") for k in self.ckpt.unplaced_keys(path, self._checkpoint_state())):
             # KeyedOptimizer loads only into initialised state (Adam's is created lazily).
             self.optimizer.init_state()
@@ -127,15 +144,17 @@ class Trainer:
         # DCP loads into the live state dicts (each rank's shards, whatever world size saved
         # them); the load_state_dict calls then let the modules take them in (caches dropped).
         template = self._checkpoint_state()
-        state = self.ckpt.load(path, flatten(self.cfg), self.env.device, template=template)
+        state = self.ckpt.load(path, None, self.env.device, template=template)
         self.dmp.load_state_dict(state["model"])
         optimizer_state = template["optimizer"]
         if "param_groups" in optimizer_state:
+            # the learning rates are this run's config (they may change on resume), the rest saved
             optimizer_state["param_groups"] = restore_param_groups(
-                optimizer_state["param_groups"], [r.get("param_groups", []) for r in state["saved_ranks"]])
+                optimizer_state["param_groups"], [r.get("param_groups", []) for r in state["saved_ranks"]],
+                keep=("lr",))
         self.optimizer.load_state_dict(optimizer_state)
         self.pos = Position(**state["position"])
-        saved_world = len(state["saved_ranks"])
+        saved_step, saved_world = self.pos.step, len(state["saved_ranks"])
         if saved_world != self.env.world_size:
             self.pos = rescale_position(self.pos, saved_world, self.env.world_size, self.data.steps_per_epoch)
             self.log.info("train.resume: saved on %d rank(s), resuming on %d: the same point of the epoch in "
@@ -144,22 +163,31 @@ class Trainer:
         # FBGEMM's convention, which TorchRec's fused optimizers follow: the step counter
         # (Adam's bias correction) is not in the optimizer state. It advances on every
         # forward, evaluation included, so the checkpoint carries its value.
-        saved_step = state.get("optimizer_step")  # None: no fused table on the saving rank
-        self.optimizer.set_optimizer_step(self.pos.step if saved_step is None else saved_step)
+        saved_counter = state.get("optimizer_step")  # None: no fused table on the saving rank
+        self.optimizer.set_optimizer_step(self.pos.step if saved_counter is None else saved_counter)
         self.epoch_np_state = state["epoch_np_state"]
         set_rng_state(state["rng"])
         for key, value in state.get("summary", {}).items():  # checkpoints before 0.1.x have none
             if key in _CARRIED:
                 setattr(self.summary, key, value)
         self.summary.resumed_from = self.summary.last_checkpoint = str(path)
+        progress = describe_progress(path.name, saved_step, saved_world, self.pos.step, self.env.world_size,
+                                     self.total, self.cfg.train.batch_size, self._budget())
         if self.pos.step >= self.total:
             self.summary.already_finished = True
-            self.log.info("train.resume: the run in %s already finished: checkpoint %s is at step %d and the run "
-                          "has %d steps (raise train.max_steps or train.epochs to train more); nothing to train, "
-                          "reporting that run's results", self.cfg.train.output_dir, path, self.pos.step, self.total)
+            self.log.info("train.resume: the run in %s already finished, nothing to train: %s (raise "
+                          "train.max_steps or train.epochs to train more); reporting that run's results",
+                          self.cfg.train.output_dir, progress)
             return
-        self.log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.pos.step,
-                      self.pos.epoch, self.pos.batch_in_epoch)
+        self.log.info("resumed from %s at step %d (epoch %d, batch %d): %s", path, self.pos.step,
+                      self.pos.epoch, self.pos.batch_in_epoch, progress)
+
+    def _budget(self) -> str:
+        """The setting that makes ``total`` (for messages)."""
+        train = self.cfg.train
+        if train.max_steps and self.total == train.max_steps:
+            return f"train.max_steps={train.max_steps}"
+        return f"train.epochs={train.epochs} of {self.data.steps_per_epoch} steps"
 
     def _checkpoint_state(self) -> Dict[str, Any]:
         """The tensors a checkpoint holds: the model's and the optimizers' (fused and dense)

@@ -10,15 +10,17 @@ Needs neither torch nor TorchRec, so the CLI checks before it starts any rank.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
 from ..config.schema import Config
-from .errors import UserError
+from .errors import CheckpointError, UserError
 
 MANIFEST = "MANIFEST.json"
 LATEST = "LATEST"
+STEP_DIR = re.compile(r"step_\d{8}")  # a checkpoint's directory name (the step, zero-padded)
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -27,19 +29,34 @@ def checkpoint_dir(cfg: Config) -> Path:
 
 
 def complete_checkpoints(directory: Path) -> List[Path]:
-    """Complete checkpoints (``step_*`` with a manifest) in ``directory``, oldest first."""
+    """Complete checkpoints (``step_<8 digits>`` directories with a manifest, not links) in
+    ``directory``, oldest first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.glob("step_*") if (p / MANIFEST).is_file())
+    return sorted(p for p in directory.glob("step_*")
+                  if STEP_DIR.fullmatch(p.name) and not p.is_symlink() and (p / MANIFEST).is_file())
 
 
 def latest_checkpoint(directory: Path) -> Optional[Path]:
-    """The checkpoint ``LATEST`` names if complete, else the newest complete one, or ``None``."""
+    """The checkpoint ``LATEST`` names if complete, else the newest complete one, or ``None``.
+
+    ``LATEST`` may name only a step directory of ``directory`` (a bare ``step_<8 digits>``);
+    anything else - an absolute path, ``..``, another name - is refused (:class:`CheckpointError`):
+    every path a checkpoint names resolves inside it."""
     pointer = Path(directory) / LATEST
     if pointer.is_file():
-        cand = Path(directory) / pointer.read_text().strip()
-        if (cand / MANIFEST).is_file():
+        try:
+            name = pointer.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{pointer}: cannot be read ({e}); delete it to resume from the newest complete "
+                                  f"checkpoint") from None
+        if not STEP_DIR.fullmatch(name):
+            raise CheckpointError(f"{pointer}: names {name[:120]!r}, not a step directory of {directory} "
+                                  f"(step_<8 digits>); refusing to follow it (delete it to resume from the newest "
+                                  f"complete checkpoint)")
+        cand = Path(directory) / name
+        if (cand / MANIFEST).is_file() and not cand.is_symlink():
             return cand
     complete = complete_checkpoints(directory)  # pointer missing or pointing at an incomplete save
     return complete[-1] if complete else None

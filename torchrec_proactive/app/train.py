@@ -19,7 +19,7 @@ from . import model as model_lib
 from .checkpoint import Checkpointer
 from .compose import to_yaml
 from .env import check_same_config, make_env, seed_everything, setup_logging
-from .loop import Summary, Trainer
+from .loop import Summary, Trainer, check_resume
 from .rundir import check_run_dir, checkpoint_dir, latest_checkpoint
 
 
@@ -40,6 +40,12 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     env = make_env(cfg)
     log = setup_logging(env)
     digest = check_same_config(cfg, env)  # before anything collective depends on the config
+    checkpointer = None
+    if cfg.train.save_checkpoints:
+        checkpointer = Checkpointer(checkpoint_dir(cfg), env.rank, env.world_size, cfg.train.keep_checkpoints, log)
+        resume_from = checkpointer.latest() if cfg.train.resume else None
+        if resume_from is not None:  # a checkpoint that will be refused is refused before anything is written
+            check_resume(checkpointer, resume_from, cfg)
     (env.output_dir / "config.yaml").write_text(to_yaml(cfg))
     if log_config:
         log.info("config %s on %d rank(s), device %s, link %s", digest, env.world_size, env.device,
@@ -68,9 +74,6 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
 
-    checkpointer = None
-    if cfg.train.save_checkpoints:
-        checkpointer = Checkpointer(checkpoint_dir(cfg), env.rank, env.world_size, cfg.train.keep_checkpoints, log)
     return Trainer(cfg, env, dmp, optimizer, pipeline, data, checkpointer, log)
 
 
