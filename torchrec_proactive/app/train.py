@@ -52,6 +52,7 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     progress = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
     # compare builds two runs on one data set with one cache size: say those things once
     pre = data_lib.prepare(cfg.data, log if log_config else data_lib.QUIET, progress=progress)
+    pre = data_lib.hash_to_tables(pre, cfg.model.num_embeddings_per_feature, log if log_config else data_lib.QUIET)
     data = data_lib.loaders(pre, cfg.data, cfg.train.batch_size)
     if log_config:
         log.info("data: %d training steps per epoch per rank, %d eval batches, %d tables",
