@@ -18,6 +18,8 @@ from typing import List
 import pytest
 
 from tests.test_cli import TINY, assert_user_error, cli
+from torchrec_proactive.app.compose import compose_config
+from torchrec_proactive.app.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -70,6 +72,16 @@ def test_config_dir_and_searchpath_add_to_the_packaged_configs(tmp_path: Path) -
     assert helped.rc == 0, helped
     missing = cli("train", "--config-dir", str(tmp_path / "nope"), "experiment=ci_tiny")
     assert_user_error(missing, "--config-dir=", "nope", "no such directory")
+
+
+def test_a_typo_inside_a_config_dir_experiment_names_the_key(tmp_path: Path) -> None:
+    mine = _my_config_dir(tmp_path)
+    (mine / "experiment" / "my_run2.yaml").write_text("# @package _global_\ntrain:\n  batch_sze: 32\n")
+    with pytest.raises(ConfigError) as info:
+        compose_config(["experiment=my_run2"], str(mine))
+    assert str(info.value).startswith("In 'experiment/my_run2': train.batch_sze is not a config key; 'train' has ["), \
+        info.value
+    assert "'batch_size'" in str(info.value)
 
 
 @pytest.mark.parametrize(
