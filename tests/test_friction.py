@@ -128,3 +128,29 @@ def test_synthetic_data_says_it_ignores_criteo_files_in_data_root(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         _synthetic_files(cfg.data, logging.getLogger("t"), progress=False)
     assert any("are not used" in r.getMessage() and "train_sparse.npy" in r.getMessage() for r in caplog.records)
+
+
+def test_known_third_party_noise_is_hidden(monkeypatch, caplog) -> None:
+    """Resume's ShardedTensor FutureWarning comes from TorchRec's KeyedOptimizer, and
+    fbgemm_gpu logs every library it loads on the root logger (14 lines in compare's log)."""
+    import logging
+    import warnings
+
+    from torchrec_proactive import quiet
+
+    monkeypatch.setattr(quiet, "_quieted", False)
+    root = logging.getLogger()
+    before = list(root.filters)
+    try:
+        with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO):
+            warnings.simplefilter("always")
+            quiet.quiet_third_party()
+            warnings.warn_explicit("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning,
+                                   "keyed.py", 300, module="torchrec.optim.keyed")
+            warnings.warn_explicit("something else", FutureWarning, "keyed.py", 301, module="torchrec.optim.keyed")
+            logging.info("Successfully loaded: 'fbgemm_gpu_config.so'")
+            logging.info("another line")
+        assert [str(w.message) for w in seen] == ["something else"]
+        assert [r.getMessage() for r in caplog.records] == ["another line"]
+    finally:
+        root.filters[:] = before

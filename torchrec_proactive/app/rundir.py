@@ -19,6 +19,9 @@ from .errors import UserError
 
 MANIFEST = "MANIFEST.json"
 LATEST = "LATEST"
+# Set by the Hydra app for the ranks it launches: Hydra's job log (<run dir>/<mode>.log),
+# where rank 0's log goes too.
+JOB_LOG_ENV = "TORCHREC_PROACTIVE_JOB_LOG"
 
 
 def checkpoint_dir(cfg: Config) -> Path:
