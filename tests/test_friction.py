@@ -154,3 +154,48 @@ def test_known_third_party_noise_is_hidden(monkeypatch, caplog) -> None:
         assert [r.getMessage() for r in caplog.records] == ["another line"]
     finally:
         root.filters[:] = before
+
+
+def _plan(sharder, kernel: str):
+    import torch
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=16, num_embeddings=5000, feature_names=[f])
+              for f in "abc"]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    constraints = {t.name: ParameterConstraints(compute_kernels=[kernel]) for t in tables}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"), constraints=constraints)
+    return planner.plan(ebc, [sharder]).plan[""]
+
+
+def test_planner_notes_match_stocks_and_sharding_says_how_many_tables_are_proactive(caplog) -> None:
+    import logging
+    import warnings
+
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder as Sharder
+
+    def notes(sharder, kernel: str):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torchrec.distributed.planner"):
+            plan = _plan(sharder, kernel)
+        return plan, [r for r in caplog.records if r.getMessage().startswith("No available compute kernels")]
+
+    _, stock = notes(EmbeddingBagCollectionSharder(), "fused")  # a CPU trainer's constraint for stock
+    plan, ours = notes(Sharder(), "fused_uvm_caching")  # the same trainer with the plugin
+    assert len(stock) == len(ours) == 3, [r.getMessage()[-200:] for r in ours]  # data_parallel, once per table
+
+    with caplog.at_level(logging.INFO, logger="torchrec_proactive.integration.sharder"):
+        assert Sharder.announce(plan) == 3
+    assert "3 of 3 table(s) are proactive" in caplog.text
+
+    fused, _ = notes(Sharder(), "fused")  # the sharder swapped, the constraints kept
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert Sharder.announce(fused) == 0
+    assert len(seen) == 1, [str(w.message) for w in seen]
+    text = str(seen[0].message)
+    for fragment in ("none of the 3 table(s) is proactive", "3 fused", 'compute_kernels=["fused_uvm_caching"]'):
+        assert fragment in text, text
