@@ -90,10 +90,31 @@ def test_compare_logs_data_and_caches_once_and_names_the_modes(tmp_path: Path) -
 
 @pytest.mark.multiprocess
 def test_sharding_auto_is_quiet(tmp_path: Path) -> None:
-    run = cli("train", "--nproc", "2", *TINY, "train.max_steps=2", "sharding=auto", f"data.root={tmp_path / 'd'}",
-              f"train.output_dir={tmp_path / 'out'}")
+    run = cli("train", "--nproc", "2", *TINY, "train.max_steps=2", "sharding=auto", "data.max_cardinality=300",
+              f"data.root={tmp_path / 'd'}", f"train.output_dir={tmp_path / 'out'}")
     assert run.rc == 0, run
     assert "torchrec.distributed.planner" not in run.err and "Warning" not in run.err, run
+    assert "warning:" not in run.err, run  # (this package's warnings, in config words)
+    # the log and the caches agree: the planner may put a table whole on one rank, and the
+    # caches are sized from its plan's shards, so "whole table" means nothing is fetched
+    assert "to the whole table (every row on the device, nothing to fetch) for 26 table(s)" in run.err, run
+    assert run.result()["hit_rate"] == 1.0, run
+
+
+def test_cache_sizes_follow_the_plans_shards() -> None:
+    import torch
+
+    from torchrec_proactive.app.model import build_model, build_sharder, shard_rows, table_configs
+    from torchrec_proactive.planning import build_plan
+
+    cfg = compose_config(["experiment=ci_tiny", "sharding=auto"])
+    rows = [300] * 26
+    model = build_model(cfg.model, rows, torch.device("cpu"))
+    plan = build_plan(model, build_sharder(cfg, {}), "table_wise", world_size=2, local_size=2)
+    shards = shard_rows(plan)
+    assert shards == {f"t_cat_{f}": 300 for f in range(26)}  # table-wise: a table's one shard is all of it
+    slots, notes = cache_slots(table_configs(cfg.model, rows), cfg, 2, 2, depth=2, shard_rows=shards)
+    assert set(slots.values()) == {300} and all(n.endswith("-> 300 slots (whole table)") for n in notes), notes
 
 
 def test_docs_do_not_break_torchxs_urllib3_pin() -> None:

@@ -62,10 +62,14 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     model = model_lib.build_model(cfg.model, data.cardinalities, env.device)
     tables = model_lib.table_configs(cfg.model, data.cardinalities)
     depth = cfg.prefetch.capacity_depth if cache_depth is None else cache_depth
-    slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth)
+    sharder = model_lib.build_sharder(cfg, {})
+    plan = model_lib.plan(model, sharder, cfg, env)
+    # cache sizes from the plan's shards: sharding=auto may place a table whole on one rank
+    slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth,
+                                         shard_rows=model_lib.shard_rows(plan))
     if notes and log_config:
         log.info("%s", model_lib.describe_growth(notes, depth))
-    dmp = model_lib.shard(model, model_lib.build_sharder(cfg, slots), cfg, env)
+    dmp = model_lib.shard(model, model_lib.with_slots(sharder, slots), cfg, env, plan)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
 
