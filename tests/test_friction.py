@@ -220,3 +220,18 @@ def test_planner_notes_match_stocks_and_sharding_says_how_many_tables_are_proact
     text = str(seen[0].message)
     for fragment in ("none of the 3 table(s) is proactive", "3 fused", 'compute_kernels=["fused_uvm_caching"]'):
         assert fragment in text, text
+
+
+def test_no_proactive_table_advice_is_in_config_words() -> None:
+    import warnings
+
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder as Sharder
+    from torchrec_proactive.app.config_words import in_config_words
+
+    cfg = compose_config(["experiment=ci_tiny", "sharding.kernel=fused", "prefetch=off"])
+    plan = _plan(Sharder(), "fused")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Sharder.announce(plan)
+    text = in_config_words(str(seen[0].message), cfg)
+    assert text.endswith("plan the tables to tier with sharding.kernel=fused_uvm_caching (now fused)"), text
