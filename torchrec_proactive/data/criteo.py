@@ -572,7 +572,7 @@ def _make_multi_hot_pipe(pre: PreprocessedCriteo, parts: Sequence[RowRange], bat
         sparse=[[m[p.start:p.stop] for m in sparse[p.index]] for p in parts],
         labels=[_open(pre.labels_paths[p.index])[p.start:p.stop] for p in parts],
         batch_size=batch_size, rank=rank, world_size=world_size, full=full, last=last,
-        shuffle_batches=shuffle_batches,
+        shuffle_batches=shuffle_batches, label_files=[(pre.labels_paths[p.index], p.start) for p in parts],
     )
 
 
