@@ -90,10 +90,31 @@ def test_compare_logs_data_and_caches_once_and_names_the_modes(tmp_path: Path) -
 
 @pytest.mark.multiprocess
 def test_sharding_auto_is_quiet(tmp_path: Path) -> None:
-    run = cli("train", "--nproc", "2", *TINY, "train.max_steps=2", "sharding=auto", f"data.root={tmp_path / 'd'}",
-              f"train.output_dir={tmp_path / 'out'}")
+    run = cli("train", "--nproc", "2", *TINY, "train.max_steps=2", "sharding=auto", "data.max_cardinality=300",
+              f"data.root={tmp_path / 'd'}", f"train.output_dir={tmp_path / 'out'}")
     assert run.rc == 0, run
     assert "torchrec.distributed.planner" not in run.err and "Warning" not in run.err, run
+    assert "warning:" not in run.err, run  # (this package's warnings, in config words)
+    # the log and the caches agree: the planner may put a table whole on one rank, and the
+    # caches are sized from its plan's shards, so "whole table" means nothing is fetched
+    assert "to the whole table (every row on the device, nothing to fetch) for 26 table(s)" in run.err, run
+    assert run.result()["hit_rate"] == 1.0, run
+
+
+def test_cache_sizes_follow_the_plans_shards() -> None:
+    import torch
+
+    from torchrec_proactive.app.model import build_model, build_sharder, shard_rows, table_configs
+    from torchrec_proactive.planning import build_plan
+
+    cfg = compose_config(["experiment=ci_tiny", "sharding=auto"])
+    rows = [300] * 26
+    model = build_model(cfg.model, rows, torch.device("cpu"))
+    plan = build_plan(model, build_sharder(cfg, {}), "table_wise", world_size=2, local_size=2)
+    shards = shard_rows(plan)
+    assert shards == {f"t_cat_{f}": 300 for f in range(26)}  # table-wise: a table's one shard is all of it
+    slots, notes = cache_slots(table_configs(cfg.model, rows), cfg, 2, 2, depth=2, shard_rows=shards)
+    assert set(slots.values()) == {300} and all(n.endswith("-> 300 slots (whole table)") for n in notes), notes
 
 
 def test_docs_do_not_break_torchxs_urllib3_pin() -> None:
@@ -128,3 +149,89 @@ def test_synthetic_data_says_it_ignores_criteo_files_in_data_root(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         _synthetic_files(cfg.data, logging.getLogger("t"), progress=False)
     assert any("are not used" in r.getMessage() and "train_sparse.npy" in r.getMessage() for r in caplog.records)
+
+
+def test_known_third_party_noise_is_hidden(monkeypatch, caplog) -> None:
+    """Resume's ShardedTensor FutureWarning comes from TorchRec's KeyedOptimizer, and
+    fbgemm_gpu logs every library it loads on the root logger (14 lines in compare's log)."""
+    import logging
+    import warnings
+
+    from torchrec_proactive import quiet
+
+    monkeypatch.setattr(quiet, "_quieted", False)
+    root = logging.getLogger()
+    before = list(root.filters)
+    try:
+        with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO):
+            warnings.simplefilter("always")
+            quiet.quiet_third_party()
+            warnings.warn_explicit("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning,
+                                   "keyed.py", 300, module="torchrec.optim.keyed")
+            warnings.warn_explicit("something else", FutureWarning, "keyed.py", 301, module="torchrec.optim.keyed")
+            logging.info("Successfully loaded: 'fbgemm_gpu_config.so'")
+            logging.info("another line")
+        assert [str(w.message) for w in seen] == ["something else"]
+        assert [r.getMessage() for r in caplog.records] == ["another line"]
+    finally:
+        root.filters[:] = before
+
+
+def _plan(sharder, kernel: str):
+    import torch
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=16, num_embeddings=5000, feature_names=[f])
+              for f in "abc"]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    constraints = {t.name: ParameterConstraints(compute_kernels=[kernel]) for t in tables}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"), constraints=constraints)
+    return planner.plan(ebc, [sharder]).plan[""]
+
+
+def test_planner_notes_match_stocks_and_sharding_says_how_many_tables_are_proactive(caplog) -> None:
+    import logging
+    import warnings
+
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder as Sharder
+
+    def notes(sharder, kernel: str):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torchrec.distributed.planner"):
+            plan = _plan(sharder, kernel)
+        return plan, [r for r in caplog.records if r.getMessage().startswith("No available compute kernels")]
+
+    _, stock = notes(EmbeddingBagCollectionSharder(), "fused")  # a CPU trainer's constraint for stock
+    plan, ours = notes(Sharder(), "fused_uvm_caching")  # the same trainer with the plugin
+    assert len(stock) == len(ours) == 3, [r.getMessage()[-200:] for r in ours]  # data_parallel, once per table
+
+    with caplog.at_level(logging.INFO, logger="torchrec_proactive.integration.sharder"):
+        assert Sharder.announce(plan) == 3
+    assert "3 of 3 table(s) are proactive" in caplog.text
+
+    fused, _ = notes(Sharder(), "fused")  # the sharder swapped, the constraints kept
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert Sharder.announce(fused) == 0
+    assert len(seen) == 1, [str(w.message) for w in seen]
+    text = str(seen[0].message)
+    for fragment in ("none of the 3 table(s) is proactive", "3 fused", 'compute_kernels=["fused_uvm_caching"]'):
+        assert fragment in text, text
+
+
+def test_no_proactive_table_advice_is_in_config_words() -> None:
+    import warnings
+
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder as Sharder
+    from torchrec_proactive.app.config_words import in_config_words
+
+    cfg = compose_config(["experiment=ci_tiny", "sharding.kernel=fused", "prefetch=off"])
+    plan = _plan(Sharder(), "fused")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Sharder.announce(plan)
+    text = in_config_words(str(seen[0].message), cfg)
+    assert text.endswith("plan the tables to tier with sharding.kernel=fused_uvm_caching (now fused)"), text

@@ -18,6 +18,8 @@ from typing import List
 import pytest
 
 from tests.test_cli import TINY, assert_user_error, cli
+from torchrec_proactive.app.compose import compose_config
+from torchrec_proactive.app.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -70,6 +72,16 @@ def test_config_dir_and_searchpath_add_to_the_packaged_configs(tmp_path: Path) -
     assert helped.rc == 0, helped
     missing = cli("train", "--config-dir", str(tmp_path / "nope"), "experiment=ci_tiny")
     assert_user_error(missing, "--config-dir=", "nope", "no such directory")
+
+
+def test_a_typo_inside_a_config_dir_experiment_names_the_key(tmp_path: Path) -> None:
+    mine = _my_config_dir(tmp_path)
+    (mine / "experiment" / "my_run2.yaml").write_text("# @package _global_\ntrain:\n  batch_sze: 32\n")
+    with pytest.raises(ConfigError) as info:
+        compose_config(["experiment=my_run2"], str(mine))
+    assert str(info.value).startswith("In 'experiment/my_run2': train.batch_sze is not a config key; 'train' has ["), \
+        info.value
+    assert "'batch_size'" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -162,6 +174,28 @@ def test_hydra_run_dir_and_chdir_are_honoured(tmp_path: Path) -> None:
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "rank_0" / "metrics.jsonl").is_file()
     # a relative path on the command line means the directory the user started from
     assert (start / "rel_data").is_dir() and not (run_dir / "rel_data").exists()
-    # the run directory belongs to that run: a fresh run there is refused, one line, exit code 2
-    again = cli("train", *TINY, "train.max_steps=2", "data.root=rel_data", f"hydra.run.dir={run_dir}", cwd=start)
+    # the job's log (Hydra's <run dir>/train.log) holds the run's own log
+    assert "done: 2 steps" in (run_dir / "train.log").read_text()
+    # the run directory belongs to that run: a fresh run there is refused, one line, exit code 2,
+    # and nothing is written before the refusal (Hydra's record of the run stays that run's)
+    record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
+    again = cli("train", *TINY, "train.max_steps=2", "train.log_every=1", "data.root=rel_data",
+                f"hydra.run.dir={run_dir}", cwd=start)
     assert_user_error(again, "train.output_dir=", str(run_dir), "train.resume=true")
+    changed = cli("train", *TINY, "train.max_steps=4", "optimizer=adam", "train.resume=true", "data.root=rel_data",
+                  f"hydra.run.dir={run_dir}", cwd=start)
+    assert_user_error(changed, "cannot resume", "optimizer.")
+    assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == record
+
+
+@pytest.mark.multiprocess
+def test_hydra_record_and_job_log_are_in_the_run_dir(tmp_path: Path) -> None:
+    run = cli("compare", "--nproc", "1", *TINY, "train.max_steps=3", "train.eval=false",
+              f"data.root={tmp_path / 'data'}", "train.output_dir=runs/x", cwd=tmp_path)
+    assert run.rc == 0, run
+    assert not (tmp_path / "outputs").exists(), sorted(p.name for p in tmp_path.iterdir())  # no stray record
+    run_dir = tmp_path / "runs" / "x"
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / ".hydra" / "overrides.yaml").is_file()
+    log = (run_dir / "compare.log").read_text()
+    assert "compare: reactive (prefetch off, depth 0) and proactive (depth 2)" in log, log
+    assert "Successfully loaded" not in log + run.out + run.err, run

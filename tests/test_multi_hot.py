@@ -13,6 +13,7 @@ import pytest
 from tests.test_cli import TINY, assert_user_error, cli
 from torchrec_proactive.data.criteo import make_dataloaders, open_torchrec_binary
 from torchrec_proactive.data.multi_hot import npz_member
+from torchrec_proactive.data.npy_files import CriteoFormatError
 
 HOT = [2, 1, 3, 1, 1, 4, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 5, 1, 1, 1, 1, 1]
 ROWS = 50  # per table
@@ -57,6 +58,18 @@ def test_members_are_memory_mapped_and_batches_carry_every_id(tmp_path: Path) ->
     for k in range(10):
         got = (rank0 if k % 2 == 0 else rank1)[k // 2]
         assert np.array_equal(got, every[k * 40:(k + 1) * 40]), k
+
+
+def test_multi_hot_labels_are_checked_batch_by_batch(tmp_path: Path) -> None:
+    write_days(tmp_path, [300, 200])
+    labels = np.load(tmp_path / "day_1_labels.npy")
+    labels[10, 0] = -1
+    np.save(tmp_path / "day_1_labels.npy", labels)
+    pre = open_torchrec_binary(tmp_path, "terabyte", num_days=2, multi_hot=True)
+    train, _ = make_dataloaders(pre, 50, 0, 1, eval_fraction=0.2)
+    with pytest.raises(CriteoFormatError, match=r"day_1_labels\.npy, row 10: label=-1 is invalid: must be 0 or 1"):
+        for _ in train:
+            pass
 
 
 def test_compressed_or_mismatched_files_are_one_line_errors(tmp_path: Path) -> None:

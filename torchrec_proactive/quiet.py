@@ -3,10 +3,10 @@
 TorchRec passes DistributedDataParallel's deprecated ``broadcast_buffers`` itself, its
 sharded tables are ShardedTensors (torch deprecates them in favour of DTensor), its row-wise
 output dist calls the deprecated collectives' old names, its Criteo pipes use local
-functions, and torch.fx logs a note on its behalf. Matched by message (and module, where one
-is given), so that any other warning still shows. Called by the entry points (the CLI, the
-bench, the example script, each spawned rank), never at import: a program that imports this
-package keeps its own warning settings.
+functions, torch.fx logs a note on its behalf, and fbgemm_gpu logs each library it loads.
+Matched by message (and module, where one is given), so that any other warning still shows.
+Called by the entry points (the CLI, the bench, the example script, each spawned rank), never
+at import: a program that imports this package keeps its own warning settings.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ __all__ = ["quiet_third_party"]
 
 _WARNINGS: Tuple[Tuple[type, str, str], ...] = (
     (FutureWarning, r"`broadcast_buffers` is deprecated", r"torchrec\.distributed\.model_parallel"),
-    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\."),
+    # raised in torch's and, on resume, in TorchRec's KeyedOptimizer (torchrec.optim.keyed)
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch(rec)?\."),
     (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", r""),
     (UserWarning, r"Local function is not supported by pickle", r"torch\.utils\.data\."),
 )
 _LOG_LINES: Tuple[Tuple[str, str], ...] = (
     ("torch.fx._symbolic_trace", "is_fx_tracing will return true"),  # TorchRec's fx checks
+    ("", "Successfully loaded: 'fbgemm_gpu"),  # fbgemm_gpu's import, on the root logger
 )
 _quieted = False
 

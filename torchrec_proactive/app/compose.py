@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, get_type_hints
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ..config.schema import GROUPS, Config, register
 from .errors import ConfigError
@@ -187,6 +187,11 @@ def _explain(e: HydraException) -> str:
             hint = " (true or false)" if kind == "bool" else ""
             return f"{full_key}={bad.group(1)!r} is invalid: must be {article} {kind}{hint}"
         return f"{full_key}={value!r} is invalid: {reason}"
+    where = re.match(r"In '([^']+)'", message)
+    full_key = getattr(cause, "full_key", None) if isinstance(cause, OmegaConfBaseException) else None
+    if where and full_key:  # a mistake inside a config file (e.g. a --config-dir experiment): name the key
+        known = unknown_key_message(full_key) if isinstance(cause, ConfigKeyError) else None
+        return f"In '{where.group(1)}': {known or f'{full_key}: {_first_line(cause)}'}"
     detail = _first_line(cause) if cause is not None else ""
     return _first_line(message) + (f": {detail}" if detail and detail not in message else "")
 

@@ -16,6 +16,10 @@ from .errors import ConfigError
 def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
     """``text`` (a message of the store or the sharder) with the library's parameter names
     replaced by the config keys a user of the CLI sets (and their values, ``with_values``)."""
+    # the sharder's advice when a plan has no proactive table: the config's word for it
+    kernel = f"sharding.kernel=fused_uvm_caching (now {cfg.sharding.kernel})" if with_values else "sharding.kernel"
+    text = text.replace('ParameterConstraints(compute_kernels=["fused_uvm_caching"], '
+                        'cache_params=CacheParams(load_factor=...))', kernel)
     load_factor = f"cache.load_factor (now {cfg.cache.load_factor:g})" if with_values else "cache.load_factor"
     for library_name in ("CacheParams.load_factor", "cache_load_factor"):
         text = text.replace(library_name, load_factor)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -22,6 +22,7 @@ from ..data.criteo import (
     torchrec_file_names,
 )
 from ..data.criteo_synth import spec_json
+from .preflight import missing_data_message
 from .errors import ConfigError, PeerFailure, UserError
 
 
@@ -84,21 +85,9 @@ def _criteo_files(cfg: DataConfig) -> List[Path]:
     root = Path(cfg.root)
     names = ["train.txt"] if cfg.layout == "kaggle" else [f"day_{d}" for d in range(cfg.num_days)]
     files = [root / n for n in names]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise UserError(
-            f"data.root={cfg.root!r} is missing the Criteo files of data.source=criteo with data.layout="
-            f"{cfg.layout!r}: needs {names[0]}{' .. ' + names[-1] if len(names) > 1 else ''}, missing "
-            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}, and no TorchRec-preprocessed files "
-            f"({names_npy(cfg)}) either. Put the decompressed Criteo files or TorchRec's npy files there, "
-            f"or use data=synthetic"
-        )
+    if not all(f.is_file() for f in files):
+        raise UserError(missing_data_message(cfg))
     return files
-
-
-def names_npy(cfg: DataConfig) -> str:
-    first, *rest = torchrec_file_names(cfg.layout, cfg.num_days)
-    return f"{first}_{{dense,labels,sparse_contig_freq|sparse}}.npy" + (f" .. {rest[-1]}_*" if rest else "")
 
 
 def _tsvs_present(cfg: DataConfig) -> bool:
@@ -196,6 +185,27 @@ def check_split(num_samples: List[int], cfg: DataConfig, batch_size: int, world_
                 f"data.eval_fraction={cfg.eval_fraction:g} leaves {rows} {split} rows of {total}, fewer than "
                 f"train.batch_size={batch_size} x {world_size} rank(s) = {need}: {fix}, lower train.batch_size "
                 f"or use more data (data.num_samples for synthetic data)")
+
+
+def hash_to_tables(pre: PreprocessedCriteo, table_rows: Optional[Sequence[int]],
+                   log: logging.Logger) -> PreprocessedCriteo:
+    """``pre`` with its ids taken modulo ``table_rows`` (``model.num_embeddings_per_feature``)
+    where the tables would not hold them, as TorchRec's ``dlrm_main`` does (it passes its
+    table sizes as the pipe's ``hashes``); says so once in ``log``. Raw hashes are always
+    taken modulo the tables when sizes are set; contiguous ids only when a table is smaller
+    than its ids need. Invariant on return: every id is < its table's rows."""
+    if table_rows is None or pre.multi_hot_sizes is not None:  # MLPerf's multi-hot ids are hashed already
+        return pre
+    rows = tuple(int(r) for r in table_rows)
+    small = [f for f, (r, c) in enumerate(zip(rows, pre.cardinalities)) if r < c]
+    if pre.hashes is None and not small:
+        return pre
+    if pre.hashes != rows:
+        shown = ", ".join(f"cat_{f} {pre.cardinalities[f]} -> {rows[f]}" for f in small[:3])
+        log.info("data: ids hashed modulo model.num_embeddings_per_feature, as TorchRec's dlrm_main does%s",
+                 f" ({len(small)} table(s) smaller than their ids: {shown}{' ...' if len(small) > 3 else ''})"
+                 if small else "")
+    return replace(pre, hashes=rows, cardinalities=rows)
 
 
 def loaders(pre: PreprocessedCriteo, cfg: DataConfig, batch_size: int) -> Loaders:

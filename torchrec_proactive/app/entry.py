@@ -135,6 +135,7 @@ def run_command(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir:
     fix - in this process or on any rank - and :class:`~torchrec_proactive.launch.RankFailure`
     for anything else a rank raised.
     """
+    from .preflight import check_inputs
     from .rundir import check_run_dir
 
     cfg = compose_config(overrides, config_dir) if cfg is None else cfg  # fail fast, before any rank
@@ -142,6 +143,7 @@ def run_command(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir:
     if not under_torchrun():  # under torchrun each rank checks (collectively) in build_run
         check_run_dir(cfg)
         overrides = pin_output_dir(overrides, cfg)
+    check_inputs(cfg)  # data files and the checkpoint to resume: one line now, not from every rank later
     from ..launch import RankFailure
 
     try:

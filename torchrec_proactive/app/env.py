@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ..config.schema import Config
 from .compose import config_hash, diff, flatten
+from .rundir import JOB_LOG_ENV
 
 
 class ConfigMismatchError(RuntimeError):
@@ -90,6 +91,11 @@ def setup_logging(env: RankEnv, name: str = "torchrec_proactive") -> logging.Log
         sh = _TqdmHandler()
         sh.setFormatter(fmt)
         logger.addHandler(sh)
+        job_log = os.environ.get(JOB_LOG_ENV)
+        if job_log:  # Hydra's record of the job holds the run's own log
+            jh = logging.FileHandler(job_log)
+            jh.setFormatter(fmt)
+            logger.addHandler(jh)
     return logger
 
 

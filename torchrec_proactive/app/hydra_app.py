@@ -18,6 +18,7 @@ API there (one run directory for all ranks, agreed by rank 0), and ``-m`` is ref
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections import Counter
@@ -32,6 +33,7 @@ from .compose import (
     validate,
 )
 from .errors import EXIT_USAGE, UserError
+from .rundir import JOB_LOG_ENV
 
 # Keys that name paths: under hydra.job.chdir=true the job runs inside its run directory,
 # so relative paths given on the command line are made absolute against the directory the
@@ -125,6 +127,11 @@ def _task(mode: str, nproc: int, config_dir: Optional[str], report: Report) -> C
 
         hc = HydraConfig.get()
         overrides = list(hc.overrides.task)
+        # The ranks' main log goes to Hydra's job log too (<run dir>/<mode>.log): the ranks
+        # are other processes, which Hydra's logging set-up does not reach.
+        job_logs = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+        if job_logs:
+            os.environ[JOB_LOG_ENV] = job_logs[0]
         # the search path the ranks compose with is the one this job was composed with
         overrides += [o for o in hc.overrides.hydra if o.lstrip("+~").startswith("hydra.searchpath=")]
         try:
@@ -137,11 +144,28 @@ def _task(mode: str, nproc: int, config_dir: Optional[str], report: Report) -> C
         except RankFailure as e:  # a bug or a crash: keep the traceback
             print(f"torchrec-proactive {mode}: {e}", file=sys.stderr)
             raise SystemExit(1) from None
+        finally:
+            os.environ.pop(JOB_LOG_ENV, None)  # the next job of a sweep has its own
         report(results)
 
     task.__module__ = __name__
     task.__qualname__ = task.__name__ = mode
     return task
+
+
+def _record_in_run_dir(argv: List[str], overrides: Sequence[str], cfg: Any) -> List[str]:
+    """``argv`` with Hydra's run directory set to the run's (``train.output_dir``), after the
+    checks that may refuse the run: Hydra writes its record (``.hydra/``, ``<mode>.log``)
+    into its run directory before the job starts, so a refusal must come first and the
+    record must land where the run does, not in a stray ``outputs/<date>/<time>``."""
+    from .preflight import check_inputs
+    from .rundir import check_run_dir
+
+    check_run_dir(cfg)  # a fresh run into a previous run's directory
+    check_inputs(cfg)  # data files, and the checkpoint a resume continues from
+    if any(o.lstrip("+~").startswith("hydra.run.dir=") for o in overrides):
+        return argv  # the user chose it; train.output_dir follows it unless set too
+    return [*argv, f"hydra.run.dir={_quote(str(cfg.train.output_dir))}"]
 
 
 def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) -> int:
@@ -187,6 +211,8 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
                 f"directory holds one run: leave train.output_dir unset (each job runs in hydra.sweep.dir/<job "
                 f"number>) or sweep it too"
             )
+        if not args.multirun and not args.cfg and not under_torchrun():
+            argv = _record_in_run_dir(argv, args.overrides, cfg)
     if under_torchrun() and not (inspecting or args.cfg):
         report(run_command(mode, args.overrides, nproc=nproc, config_dir=args.config_dir))
         return 0

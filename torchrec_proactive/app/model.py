@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer
 
@@ -60,7 +62,8 @@ def fused_params(cfg: OptimizerConfig) -> Dict[str, object]:
 
 
 def cache_slots(
-    tables: Sequence[EmbeddingBagConfig], cfg: Config, world_size: int, local_size: int, depth: int
+    tables: Sequence[EmbeddingBagConfig], cfg: Config, world_size: int, local_size: int, depth: int,
+    shard_rows: Optional[Mapping[str, int]] = None,
 ) -> Tuple[Dict[str, int], List[str]]:
     """Per-table cache sizes for tables whose load-factor cache cannot hold the rows of
     ``depth + 1`` in-flight batches (the pipeline pins that many), plus a note for each.
@@ -68,8 +71,11 @@ def cache_slots(
     One batch brings at most ``world_size * batch_size`` ids per feature to a shard (one id
     per sample and feature in Criteo - ``data.multi_hot_sizes[f]`` in multi-hot data -
     whatever the sharding), so that bound - capped by the shard's rows - is what must fit,
-    per batch. Tables that already fit are left to the
-    load factor.
+    per batch. Tables that already fit are left to the load factor.
+
+    ``shard_rows``: the rows of each table's largest shard in the plan (:func:`shard_rows`);
+    tables it leaves out are not cached. Without it the rows are estimated from
+    ``sharding.type`` - which, for ``auto``, cannot know the planner's choice per table.
     """
     if not cfg.cache.fit_depth:
         return {}, []
@@ -81,7 +87,9 @@ def cache_slots(
     slots: Dict[str, int] = {}
     notes: List[str] = []
     for t in tables:
-        local_rows = math.ceil(t.num_embeddings / divisor)
+        if shard_rows is not None and t.name not in shard_rows:
+            continue  # not a cached table in this plan
+        local_rows = shard_rows[t.name] if shard_rows is not None else math.ceil(t.num_embeddings / divisor)
         by_factor = max(1, round(cfg.cache.load_factor * local_rows))
         need = min(local_rows, batches * ids_per_batch * sum(hot.get(f, 1) for f in t.feature_names))
         if by_factor < need:
@@ -118,15 +126,36 @@ def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCo
     )
 
 
-def shard(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config,
-          env: RankEnv) -> DistributedModelParallel:
-    plan = build_plan(
+def plan(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config, env: RankEnv) -> ShardingPlan:
+    """The sharding plan of ``sharding.*`` (TorchRec's planner for ``auto``)."""
+    return build_plan(
         model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
         local_size=env.local_world_size, device_type=env.device.type,
         cache_load_factor=cfg.cache.load_factor if cfg.sharding.kernel == "fused_uvm_caching" else None,
     )
-    dmp = shard_model(model, sharder, plan, env.device)
-    return dmp
+
+
+def shard_rows(sharding_plan: ShardingPlan) -> Dict[str, int]:
+    """Rows of the largest shard of each cached (``fused_uvm_caching``) table of the plan:
+    what a rank's cache of that table is sized against (TorchRec's ``ShardMetadata``)."""
+    rows: Dict[str, int] = {}
+    for module_plan in sharding_plan.plan.values():
+        for name, ps in module_plan.items():  # type: ignore[union-attr]
+            if ps.compute_kernel == "fused_uvm_caching" and ps.sharding_spec is not None:
+                rows[name] = max(int(shard.shard_sizes[0]) for shard in ps.sharding_spec.shards)
+    return rows
+
+
+def with_slots(sharder: ProactiveEmbeddingBagCollectionSharder, slots: Dict[str, int]
+               ) -> ProactiveEmbeddingBagCollectionSharder:
+    """``sharder`` with per-table cache sizes (set after planning: they depend on the plan)."""
+    sharder.options = dataclasses.replace(sharder.options, num_slots=dict(slots))
+    return sharder
+
+
+def shard(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config,
+          env: RankEnv, sharding_plan: Optional[ShardingPlan] = None) -> DistributedModelParallel:
+    return shard_model(model, sharder, sharding_plan or plan(model, sharder, cfg, env), env.device)
 
 
 def _dense_factory(cfg: OptimizerConfig) -> Callable[[List[torch.Tensor]], torch.optim.Optimizer]:

@@ -21,6 +21,9 @@ from .errors import CheckpointError, UserError
 MANIFEST = "MANIFEST.json"
 LATEST = "LATEST"
 STEP_DIR = re.compile(r"step_\d{8}")  # a checkpoint's directory name (the step, zero-padded)
+# Set by the Hydra app for the ranks it launches: Hydra's job log (<run dir>/<mode>.log),
+# where rank 0's log goes too.
+JOB_LOG_ENV = "TORCHREC_PROACTIVE_JOB_LOG"
 
 
 def checkpoint_dir(cfg: Config) -> Path:

@@ -58,6 +58,7 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     progress = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
     # compare builds two runs on one data set with one cache size: say those things once
     pre = data_lib.prepare(cfg.data, log if log_config else data_lib.QUIET, progress=progress)
+    pre = data_lib.hash_to_tables(pre, cfg.model.num_embeddings_per_feature, log if log_config else data_lib.QUIET)
     data = data_lib.loaders(pre, cfg.data, cfg.train.batch_size)
     if log_config:
         log.info("data: %d training steps per epoch per rank, %d eval batches, %d tables",
@@ -67,10 +68,14 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     model = model_lib.build_model(cfg.model, data.cardinalities, env.device)
     tables = model_lib.table_configs(cfg.model, data.cardinalities)
     depth = cfg.prefetch.capacity_depth if cache_depth is None else cache_depth
-    slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth)
+    sharder = model_lib.build_sharder(cfg, {})
+    plan = model_lib.plan(model, sharder, cfg, env)
+    # cache sizes from the plan's shards: sharding=auto may place a table whole on one rank
+    slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth,
+                                         shard_rows=model_lib.shard_rows(plan))
     if notes and log_config:
         log.info("%s", model_lib.describe_growth(notes, depth))
-    dmp = model_lib.shard(model, model_lib.build_sharder(cfg, slots), cfg, env)
+    dmp = model_lib.shard(model, model_lib.with_slots(sharder, slots), cfg, env, plan)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
 

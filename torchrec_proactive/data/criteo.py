@@ -44,7 +44,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from torchrec.datasets.criteo import (
@@ -57,6 +57,15 @@ from torchrec.datasets.criteo import (
 from torch.utils.data import IterableDataset
 from tqdm import tqdm
 
+from .npy_files import (
+    CriteoFormatError,
+    check_array,
+    check_torchrec_files,
+    find_torchrec_files,
+    first_bad,
+    torchrec_file_names,
+)
+
 PathLike = Union[str, Path]
 _LOG = logging.getLogger(__name__)
 
@@ -65,14 +74,6 @@ _MANIFEST_VERSION = 2  # 2: TorchRec's file names and int32 labels
 # sparse_to_contiguous appends this to basename.split(".")[0] of each input.
 _CONTIG_SUFFIX = "_contig_freq.npy"
 _KINDS = ("dense", "sparse", "labels")
-
-
-class CriteoFormatError(ValueError):
-    """A Criteo TSV file that is not in Criteo's format; the message is one line naming the
-    file, the line number, the field and the value. ``user_error``: the CLI prints it as
-    one line with exit code 2 (see ``torchrec_proactive.app.errors``)."""
-
-    user_error = True
 
 
 # Criteo's column names (the TSV has no header): the label, I1..I13, C1..C26.
@@ -136,8 +137,8 @@ class PreprocessedCriteo:
     ``tsv_to_npys`` writes. Without ``hashes`` the ids are contiguous (``sparse_to_contiguous``):
     ``0 < id < cardinalities[f]`` in column ``f`` (1 = ids seen fewer than
     ``frequency_threshold`` times) and consistent across files. With ``hashes`` they are
-    raw Criteo hashes, taken modulo ``hashes[f]`` (= ``cardinalities[f]``) as batches are
-    made, as TorchRec's reference trainer does for such files.
+    taken modulo ``hashes[f]`` (= ``cardinalities[f]``) as batches are made, as TorchRec's
+    reference trainer does (raw Criteo hashes, or ids for tables set smaller).
     """
 
     out_dir: Path
@@ -375,12 +376,6 @@ def _cardinalities(sparse_paths: Sequence[Path]) -> List[int]:
 # TorchRec's binary layout, used in place
 
 
-def torchrec_file_names(layout: str, num_days: int) -> List[str]:
-    """The prefixes TorchRec's preprocessing gives each file: ``train`` (Kaggle) or
-    ``day_0`` .. ``day_{num_days-1}`` (1TB)."""
-    return ["train"] if layout == "kaggle" else [f"day_{d}" for d in range(num_days)]
-
-
 def open_torchrec_binary(
     directory: PathLike, layout: str, num_days: int = 24, log: Optional[logging.Logger] = None,
     multi_hot: bool = False,
@@ -402,31 +397,20 @@ def open_torchrec_binary(
 
     log = log or _LOG
     root = Path(directory)
-    names = torchrec_file_names(layout, num_days)
-    dense = [root / f"{n}_dense.npy" for n in names]
-    labels = [root / f"{n}_labels.npy" for n in names]
-    contig = [root / f"{n}_sparse{_CONTIG_SUFFIX}" for n in names]
-    raw = [root / f"{n}_sparse.npy" for n in names]
-    if not all(p.is_file() for p in dense + labels):
-        return None
     if multi_hot:
+        names = torchrec_file_names(layout, num_days)
+        dense = [root / f"{n}_dense.npy" for n in names]
+        labels = [root / f"{n}_labels.npy" for n in names]
+        if not all(p.is_file() for p in dense + labels):
+            return None
         return _open_multi_hot(root, names, dense, labels, log)
-    if all(p.is_file() for p in contig):
-        sparse, hashes = contig, None
-    elif all(p.is_file() for p in raw):
-        sparse, hashes = raw, tuple(KAGGLE_CARDINALITIES if layout == "kaggle" else TERABYTE_CARDINALITIES)
-    else:
+    files = find_torchrec_files(root, layout, num_days)
+    if files is None:
         return None
-    num_samples = []
-    for d, s, l in zip(dense, sparse, labels):
-        shapes = [BinaryCriteoUtils.get_shape_from_npy(str(p)) for p in (d, s, l)]
-        rows = shapes[0][0]
-        if shapes != [(rows, INT_FEATURE_COUNT), (rows, CAT_FEATURE_COUNT), (rows, 1)]:
-            raise CriteoFormatError(
-                f"{root}: the TorchRec files of {d.name[: -len('_dense.npy')]} have shapes dense={shapes[0]}, "
-                f"sparse={shapes[1]}, labels={shapes[2]}; expected ({rows}, {INT_FEATURE_COUNT}), "
-                f"({rows}, {CAT_FEATURE_COUNT}), ({rows}, 1)")
-        num_samples.append(rows)
+    names, sparse = list(files.names), list(files.sparse)
+    hashes = tuple(KAGGLE_CARDINALITIES if layout == "kaggle" else TERABYTE_CARDINALITIES) if files.raw else None
+    num_samples = check_torchrec_files(files)  # dtypes, truncation, rows (headers only)
+    dense, labels = list(files.dense), list(files.labels)
     if hashes is None:
         log.info("data: using TorchRec's preprocessed files in %s in place (%d file(s), %d rows, contiguous ids); "
                  "reading the ids once for the table sizes", root, len(names), sum(num_samples))
@@ -456,7 +440,7 @@ def _open_multi_hot(root: Path, names: Sequence[str], dense: Sequence[Path], lab
             rows, hot = multi_hot_sizes(s)
         except ValueError as e:
             raise CriteoFormatError(str(e)) from e
-        shapes = [BinaryCriteoUtils.get_shape_from_npy(str(p)) for p in (d, l)]
+        shapes = [(check_array(d, "dense", INT_FEATURE_COUNT), INT_FEATURE_COUNT), (check_array(l, "labels", 1), 1)]
         if shapes != [(rows, INT_FEATURE_COUNT), (rows, 1)]:
             raise CriteoFormatError(f"{s} has {rows} rows but {d.name} / {l.name} have shapes {shapes}")
         num_samples.append(rows)
@@ -533,6 +517,49 @@ def _open(path: Path) -> np.ndarray:
     return np.load(path, mmap_mode="c")
 
 
+class _CheckedPipe(InMemoryBinaryCriteoIterDataPipe):
+    """TorchRec's pipe, checking each batch's values as it is made from the rows just read:
+    labels in {0, 1}, ids >= 0 (two reductions over arrays already in memory). A bad value
+    is a :class:`CriteoFormatError` naming the file, the row, the value and the limit."""
+
+    parts: Sequence[RowRange] = ()
+    labels_paths: Sequence[Path] = ()
+    sparse_paths: Sequence[Path] = ()
+
+    def __iter__(self) -> Iterator[Any]:
+        self._made = 0  # batches made by this iteration: locates a bad row in its file
+        yield from super().__iter__()
+
+    def _np_arrays_to_batch(self, dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> Any:
+        made, self._made = self._made, self._made + 1
+        i = first_bad(labels, 0, 1)
+        if i is not None:
+            path, row = self._locate(made, i)
+            raise CriteoFormatError(f"{self.labels_paths[path]}, row {row}: label={labels.flat[i]} is invalid: "
+                                    "must be 0 or 1")
+        i = first_bad(sparse, 0, None)
+        if i is not None:
+            path, row = self._locate(made, i // CAT_FEATURE_COUNT)
+            raise CriteoFormatError(f"{self.sparse_paths[path]}, row {row}: C{i % CAT_FEATURE_COUNT + 1} id "
+                                    f"{sparse.flat[i]} is invalid: ids must be >= 0")
+        return super()._np_arrays_to_batch(dense, sparse, labels)
+
+    def _locate(self, made: int, offset: int) -> Tuple[int, int]:
+        """``(file index, row in that file)`` of row ``offset`` of this rank's ``made``-th
+        batch: full batches go round the ranks in turn, then each rank's share of the rest."""
+        full_rounds = self.num_full_batches // self.world_size
+        if made < full_rounds:
+            start = (made * self.world_size + self.rank) * self.batch_size
+        else:
+            start = self.num_full_batches * self.batch_size + int(self.last_batch_sizes[: self.rank].sum())
+        row = start + offset
+        for part in self.parts:
+            if row < part.stop - part.start:
+                return part.index, part.start + row
+            row -= part.stop - part.start
+        raise AssertionError(f"row {start + offset} is past the split")  # batch_counts covers the split
+
+
 def _make_multi_hot_pipe(pre: PreprocessedCriteo, parts: Sequence[RowRange], batch_size: int, rank: int,
                          world_size: int, shuffle_batches: bool, drop_last: bool) -> IterableDataset:
     from .multi_hot import MultiHotCriteoPipe, npz_member
@@ -545,7 +572,7 @@ def _make_multi_hot_pipe(pre: PreprocessedCriteo, parts: Sequence[RowRange], bat
         sparse=[[m[p.start:p.stop] for m in sparse[p.index]] for p in parts],
         labels=[_open(pre.labels_paths[p.index])[p.start:p.stop] for p in parts],
         batch_size=batch_size, rank=rank, world_size=world_size, full=full, last=last,
-        shuffle_batches=shuffle_batches,
+        shuffle_batches=shuffle_batches, label_files=[(pre.labels_paths[p.index], p.start) for p in parts],
     )
 
 
@@ -567,7 +594,7 @@ def _make_pipe(
     files = sorted({p.index for p in parts})
     rng_state = np.random.get_state()  # its __init__ reseeds the global NumPy RNG
     try:
-        pipe = InMemoryBinaryCriteoIterDataPipe(
+        pipe = _CheckedPipe(
             # "train" for both splits: "val"/"test" would halve the first file we pass.
             stage="train",
             dense_paths=[str(pre.dense_paths[i]) for i in files],
@@ -588,6 +615,7 @@ def _make_pipe(
     pipe.sparse_arrs = [_open(pre.sparse_paths[p.index])[p.start : p.stop] for p in parts]
     pipe.labels_arrs = [_open(pre.labels_paths[p.index])[p.start : p.stop] for p in parts]
     pipe.num_rows_per_file = [p.stop - p.start for p in parts]
+    pipe.parts, pipe.labels_paths, pipe.sparse_paths = list(parts), pre.labels_paths, pre.sparse_paths
     pipe.num_full_batches, pipe.last_batch_sizes = batch_counts(
         sum(pipe.num_rows_per_file), batch_size, world_size, drop_last)
     return pipe

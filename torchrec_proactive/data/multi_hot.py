@@ -25,6 +25,8 @@ from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from .npy_files import CriteoFormatError, first_bad
+
 MULTI_HOT_SUFFIX = "_sparse_multi_hot.npz"
 #: MLPerf Training DLRM-v2's ``--multi_hot_sizes``.
 MLPERF_MULTI_HOT_SIZES: Tuple[int, ...] = (
@@ -99,8 +101,11 @@ class MultiHotCriteoPipe(IterableDataset):
 
     def __init__(self, dense: Sequence[np.ndarray], sparse: Sequence[Sequence[np.ndarray]],
                  labels: Sequence[np.ndarray], batch_size: int, rank: int, world_size: int, full: int,
-                 last: np.ndarray, shuffle_batches: bool) -> None:
+                 last: np.ndarray, shuffle_batches: bool,
+                 label_files: Sequence[Tuple[Path, int]] = ()) -> None:
         self.dense, self.labels = _Rows(dense), _Rows(labels)
+        # (file, its first row) of each labels part: names a bad label's file and row
+        self.label_files = list(label_files)
         self.sparse = [_Rows([s[f] for s in sparse]) for f in range(CAT_FEATURE_COUNT)]
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.full, self.last, self.shuffle_batches = full, last, shuffle_batches
@@ -119,11 +124,22 @@ class MultiHotCriteoPipe(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         for start, stop in self._ranges():
             dense, labels = self.dense.take(start, stop), self.labels.take(start, stop)
+            bad = first_bad(labels, 0, 1)  # on the rows just read: two reductions
+            if bad is not None:
+                raise CriteoFormatError(f"{self._where(start + bad)}: label={labels.flat[bad]} is invalid: "
+                                        "must be 0 or 1")
             ids = [s.take(start, stop) for s in self.sparse]
             if self.shuffle_batches:  # TorchRec's within-batch shuffle, from numpy's global RNG
                 order = np.random.permutation(stop - start)
                 dense, labels, ids = dense[order], labels[order], [i[order] for i in ids]
             yield self._batch(dense, ids, labels)
+
+    def _where(self, row: int) -> str:
+        part = int(np.searchsorted(self.labels.starts, row, side="right")) - 1
+        if part >= len(self.label_files):
+            return f"labels row {row} of the split"
+        path, first = self.label_files[part]
+        return f"{path}, row {first + row - int(self.labels.starts[part])}"
 
     @staticmethod
     def _batch(dense: np.ndarray, ids: List[np.ndarray], labels: np.ndarray) -> Batch:

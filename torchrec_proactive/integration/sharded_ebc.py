@@ -485,11 +485,9 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return
         self._warned_deferral = True
         warnings.warn(
-            f"{self._module_fqn or 'embedding module'}: the rows of batch {index} do not fit in the device cache "
-            f"now, so its fetch waits until batches ahead of it release their rows, at the latest until its own "
-            f"lookup, where rows that still do not fit are served from the host tier (its effective prefetch depth "
-            f"drops; training stays exact; counted in deferred_batches; said once per module, for the first table "
-            f"found short). {why}",
+            f"{self._module_fqn or 'embedding module'}: batch {index}'s fetch waits for cache room (earlier batches "
+            f"release rows; at its lookup, rows that still do not fit are served from the host tier; exact; counted "
+            f"in deferred_batches; said once). {why}",
             stacklevel=3,
         )
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
+from collections import Counter
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
@@ -18,6 +21,7 @@ from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 
 # TorchRec's planner must be able to rate the cached kernel on CPU (see planner_support).
 register_cpu_cached_kernel()
+_LOG = logging.getLogger(__name__)
 
 _CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 # The sharding types proven exact against stock TorchRec by the 2-rank tests.
@@ -75,6 +79,8 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             debug_checks=debug_checks,
             planner=planner,
         )
+        self._announced = False
+        hide_own_planner_notes()
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         """Stock's kernels, with ``fused_uvm_caching`` offered exactly for the sharding types
@@ -92,9 +98,13 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ProactiveShardedEmbeddingBagCollection:
+        marked = self._mark_cached_tables(module, params)
+        if not self._announced and getattr(env, "rank", 0) == 0:
+            self._announced = True  # once per sharder, on one rank
+            self.announce(marked)
         return ProactiveShardedEmbeddingBagCollection(
             module=module,
-            table_name_to_parameter_sharding=self._mark_cached_tables(module, params),
+            table_name_to_parameter_sharding=marked,
             env=env,
             fused_params=self.fused_params,
             device=device,
@@ -103,6 +113,27 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
             proactive_options=self.options,
         )
+
+    @staticmethod
+    def announce(params: Mapping[str, ParameterSharding]) -> int:
+        """Says how many tables of a plan are proactive (an INFO log line) and, when none is,
+        why and what to change (a ``UserWarning``: the pipeline would otherwise run stock
+        with nothing to prefetch, silently). Returns the number of proactive tables."""
+        kernels = Counter(ps.compute_kernel for ps in params.values())
+        proactive = kernels.get(_CACHED, 0)
+        if proactive:
+            _LOG.info("torchrec-proactive: %d of %d table(s) are proactive (planned %s); the others stay stock TorchRec",
+                      proactive, len(params), _CACHED)
+            return proactive
+        if params:
+            shown = ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
+            warnings.warn(
+                f"torchrec-proactive: none of the {len(params)} table(s) is proactive: the plan put them in "
+                f"device memory ({shown}), and only {_CACHED} tables get a host tier and prefetching; plan the "
+                f"tables to tier with ParameterConstraints(compute_kernels=[\"{_CACHED}\"], "
+                f"cache_params=CacheParams(load_factor=...))",
+                UserWarning, stacklevel=2)
+        return 0
 
     @property
     def sharded_module_type(self) -> type:  # type: ignore[override]
@@ -142,3 +173,24 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 raise ValueError(f"table '{name}': unknown compute kernel {ps.compute_kernel!r}")
             out[name] = ps
         return out
+
+
+class _OwnPlannerNotes(logging.Filter):
+    """Drops the planner's "No available compute kernels" warning for ``table_column_wise``
+    when the user's constraints ask only for ``fused_uvm_caching``: this sharder withholds
+    that kernel from TCW (proactive tables do not support it), so the planner notes the gap
+    for every such table - notes stock TorchRec, which offers the kernel there, never gives,
+    and that need no action (the planner picks another sharding type)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith("No available compute kernels")
+                    and f"Constrained compute kernels: ['{_CACHED}']" in text
+                    and f"sharding type: {ShardingType.TABLE_COLUMN_WISE.value}." in text)
+
+
+def hide_own_planner_notes() -> None:
+    """Installs :class:`_OwnPlannerNotes` on TorchRec's enumerator logger (idempotent)."""
+    logger = logging.getLogger("torchrec.distributed.planner.enumerators")
+    if not any(isinstance(f, _OwnPlannerNotes) for f in logger.filters):
+        logger.addFilter(_OwnPlannerNotes())

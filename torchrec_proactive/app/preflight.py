@@ -1,0 +1,106 @@
+"""Checks of a run's inputs in the launching process, before any rank starts: the data
+files (headers only) and, on resume, the checkpoint to continue from.
+
+Every failure is a :class:`~torchrec_proactive.app.errors.UserError` (one line, exit code 2)
+that would otherwise come from the ranks after their start-up. Data checks need only NumPy;
+the checkpoint check calls the checkpoint module's own readers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..config.schema import Config, DataConfig
+from ..data.npy_files import (
+    CriteoFormatError,
+    check_array,
+    check_torchrec_files,
+    describe_missing,
+    find_torchrec_files,
+    torchrec_file_names,
+)
+from .errors import UserError
+
+PREPROCESS_MANIFEST = "manifest.json"  # data.criteo's: our own preprocessing's output
+
+
+def tsv_names(cfg: DataConfig) -> list:
+    return ["train.txt"] if cfg.layout == "kaggle" else [f"day_{d}" for d in range(cfg.num_days)]
+
+
+def missing_data_message(cfg: DataConfig) -> str:
+    """Why ``data.root`` holds no usable Criteo data set, in config words."""
+    root = Path(cfg.root)
+    partial = describe_missing(root, cfg.layout, cfg.num_days)
+    if partial is not None:
+        return partial
+    names = tsv_names(cfg)
+    missing = [str(root / n) for n in names if not (root / n).is_file()]
+    first, *rest = torchrec_file_names(cfg.layout, cfg.num_days)
+    npy = f"{first}_{{dense,labels,sparse_contig_freq|sparse}}.npy" + (f" .. {rest[-1]}_*" if rest else "")
+    return (f"data.root={cfg.root!r} is missing the Criteo files of data.source=criteo with data.layout="
+            f"{cfg.layout!r}: needs {names[0]}{' .. ' + names[-1] if len(names) > 1 else ''}, missing "
+            f"{missing[:3]}{' ...' if len(missing) > 3 else ''}, and no TorchRec-preprocessed files "
+            f"({npy}) either. Put the decompressed Criteo files or TorchRec's npy files there, or use data=synthetic")
+
+
+def check_data_files(cfg: DataConfig) -> None:
+    """``data.source=criteo``: the arrays the ranks will open are whole and of TorchRec's
+    dtypes, or the TSVs to preprocess are there. Synthetic data is made by rank 0."""
+    if cfg.source != "criteo":
+        return
+    tsvs = all((Path(cfg.root) / n).is_file() for n in tsv_names(cfg))
+    try:
+        for where in ([cfg.preprocessed_dir] if cfg.preprocessed_dir else []) + [cfg.root]:
+            if (Path(where) / PREPROCESS_MANIFEST).is_file() and tsvs:
+                continue  # our own preprocessing output, checked against the TSVs on rank 0
+            if cfg.multi_hot:
+                for name in torchrec_file_names(cfg.layout, cfg.num_days):
+                    for kind, columns in (("dense", 13), ("labels", 1)):
+                        path = Path(where) / f"{name}_{kind}.npy"
+                        if path.is_file():
+                            check_array(path, kind, columns)
+                continue  # rank 0 reports missing multi-hot files
+            files = find_torchrec_files(where, cfg.layout, cfg.num_days)
+            if files is not None:
+                check_torchrec_files(files)
+                return
+    except CriteoFormatError as e:
+        raise UserError(str(e)) from None
+    if not tsvs and not cfg.multi_hot:
+        raise UserError(missing_data_message(cfg))
+
+
+def check_resume(cfg: Config) -> None:
+    """``train.resume``: the checkpoint the ranks would load has a readable manifest, a config
+    it may continue, and readable metadata - checked with the checkpoint module's own
+    readers. Anything other than a user error is left for the ranks to report."""
+    from .rundir import checkpoint_dir, latest_checkpoint
+
+    if not cfg.train.resume or not cfg.train.save_checkpoints:
+        return
+    path = latest_checkpoint(checkpoint_dir(cfg))
+    if path is None:
+        return
+    from .checkpoint import Checkpointer
+    from .compose import flatten
+    from .resume import refuse_changes
+
+    # (The files' checksums are verified by the ranks, each reading a share of them: here
+    # only what is cheap to read - the manifest, the config it may continue, the metadata.)
+    reader = Checkpointer(checkpoint_dir(cfg), 0, 1, 0, logging.getLogger(__name__))
+    try:
+        manifest = reader.manifest(path)
+        refuse_changes(manifest.get("config", {}), flatten(cfg), path)
+        reader.saved_keys(path)
+    except UserError:
+        raise
+    except Exception:  # not a mistake this check can name: the ranks report it as before
+        return
+
+
+def check_inputs(cfg: Config) -> None:
+    """Everything :mod:`.preflight` checks, in the order the ranks would meet it."""
+    check_data_files(cfg.data)
+    check_resume(cfg)
