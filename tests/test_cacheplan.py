@@ -7,6 +7,7 @@ from typing import List, Sequence
 
 import numpy as np
 import pytest
+import torch
 
 from torchrec_proactive.bench.cache_replay import replay_table
 from torchrec_proactive.cacheplan.curve import MissRatioCurve, pinned_rows, reuse_distances, shard_steps
@@ -96,3 +97,86 @@ def test_json_round_trip_and_shards() -> None:
     assert lo.accesses + hi.accesses == MissRatioCurve.from_steps(steps, 100).accesses
     with pytest.raises(ValueError, match="num_rows"):
         MissRatioCurve.from_steps(steps, num_rows=10)
+
+
+# -- TorchRec's planner with the curves ------------------------------------------------------
+
+def _ebc(specs):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name=n, embedding_dim=16, num_embeddings=rows, feature_names=[f"f_{n}"])
+              for n, rows in specs.items()]
+    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+
+def _zipf_steps(seed: int, rows: int, alpha: float, ids_per_batch: int, num_batches: int = 60):
+    from torchrec_proactive.data.criteo_synth import sample_zipf_ranks
+
+    rng = np.random.default_rng(seed)
+    return [sample_zipf_ranks(rng, rows, alpha, ids_per_batch) for _ in range(num_batches)]
+
+
+def test_proposer_gives_more_cache_to_the_table_with_more_reuse() -> None:
+    """Same rows and skew; ``busy`` looks up 4x the ids per batch (more reuse, more misses to
+    save): TorchRec's EmbeddingOffloadScaleupProposer, fed our curves, gives it more cache."""
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder
+    from torchrec_proactive.cacheplan.planner import plan_cache_sizes
+
+    curves = {"busy": MissRatioCurve.from_steps(_zipf_steps(0, 20000, 1.0, 1024), 20000, depth=1, warmup=5),
+              "quiet": MissRatioCurve.from_steps(_zipf_steps(1, 20000, 1.0, 256), 20000, depth=1, warmup=5)}
+    assert curves["busy"].expected_lookups > 2 * curves["quiet"].expected_lookups
+    plan = plan_cache_sizes(_ebc({"busy": 20000, "quiet": 20000}), ProactiveEmbeddingBagCollectionSharder(),
+                            curves, budget_bytes=1_000_000, prefetch_depth=1, world_size=1, batch_size=256)
+    lf = plan.load_factors
+    assert lf["busy"] > lf["quiet"] >= curves["quiet"].min_load_factor, lf
+    assert lf["busy"] < 0.999  # the budget binds: not everything is resident
+    # both grew well past the pinned floors they started from: the proposer spent the budget
+    assert lf["busy"] > 3 * curves["busy"].min_load_factor and lf["quiet"] > 3 * curves["quiet"].min_load_factor
+    assert lf["busy"] - curves["busy"].min_load_factor > 2 * (lf["quiet"] - curves["quiet"].min_load_factor)
+    assert "busy=" in plan.describe() and "budget 1000000" in plan.describe()
+
+
+def test_budget_too_small_for_depth_is_refused_in_one_line() -> None:
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder
+    from torchrec_proactive.cacheplan.planner import CacheBudgetError, plan_cache_sizes
+
+    curves = {"a": MissRatioCurve.from_steps(_zipf_steps(0, 5000, 0.8, 512), 5000, depth=3),
+              "b": MissRatioCurve.from_steps(_zipf_steps(1, 5000, 0.8, 512), 5000, depth=3)}
+    need = sum(c.pinned_rows for c in curves.values()) * 16 * 4
+    with pytest.raises(CacheBudgetError) as e:
+        plan_cache_sizes(_ebc({"a": 5000, "b": 5000}), ProactiveEmbeddingBagCollectionSharder(), curves,
+                         budget_bytes=need // 2, prefetch_depth=3, world_size=1, batch_size=512)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{need} bytes needed" in msg and "a: " in msg and "b: " in msg
+    assert "prefetch depth 3" in msg and f"cache.budget_bytes={need // 2}" in msg
+
+
+def test_perf_estimate_charges_only_the_unhidden_fetch() -> None:
+    """Depth 0: TorchRec's own prefetch cost; deeper: never more, and less once the fetch
+    fits behind the k batches ahead."""
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+    from torchrec.distributed.planner import ParameterConstraints
+    from torchrec.distributed.types import CacheParams
+
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder
+    from torchrec_proactive.cacheplan.planner import ProactivePerfEstimator
+
+    curve = MissRatioCurve.from_steps(_zipf_steps(0, 20000, 0.9, 512), 20000, depth=0)
+    constraints = {"t": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused_uvm_caching"],
+                                             cache_params=CacheParams(load_factor=0.1, stats=curve))}
+    topo = TopologyFactory.create_topology(TrainerConfig(world_size=1, local_world_size=1),
+                                           kernel_config=KernelConfig(compute_device="cuda"))
+
+    def prefetch(estimator) -> float:
+        e = EmbeddingEnumerator(topology=topo, batch_size=512, constraints=constraints, estimator=[estimator])
+        options = e.enumerate(_ebc({"t": 20000}), [ProactiveEmbeddingBagCollectionSharder()])
+        return sum(s.perf.prefetch_compute for o in options for s in o.shards)
+
+    stock = prefetch(EmbeddingPerfEstimator(topo, constraints))
+    assert stock > 0
+    assert prefetch(ProactivePerfEstimator(topo, constraints, prefetch_depth=0)) == pytest.approx(stock)
+    deep = [prefetch(ProactivePerfEstimator(topo, constraints, prefetch_depth=k)) for k in (1, 2, 4)]
+    assert all(d <= stock for d in deep) and deep[-1] < stock
+    assert all(a >= b for a, b in zip(deep, deep[1:]))

@@ -17,7 +17,7 @@ pins or are served from the host tier): the curve says 1.0 there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -106,8 +106,8 @@ class MissRatioCurve(CacheStatistics):
     num_batches: int
     accesses: int
     pinned_rows: int
-    sizes: tuple
-    hits: tuple
+    sizes: tuple = field(repr=False)
+    hits: tuple = field(repr=False)
 
     @classmethod
     def from_steps(cls, steps: Sequence[np.ndarray], num_rows: int, depth: int = 0, warmup: int = 0,
