@@ -180,3 +180,30 @@ def test_perf_estimate_charges_only_the_unhidden_fetch() -> None:
     deep = [prefetch(ProactivePerfEstimator(topo, constraints, prefetch_depth=k)) for k in (1, 2, 4)]
     assert all(d <= stock for d in deep) and deep[-1] < stock
     assert all(a >= b for a, b in zip(deep, deep[1:]))
+
+
+def test_bench_cache_planning_writes_both_arms_at_equal_bytes(tmp_path) -> None:
+    """`bench --cache-planning --quick --json F`: the keys the checks read, equal cache bytes
+    (each within the budget), per-table caches in both arms; counters only, never times."""
+    import json
+
+    from torchrec_proactive.bench.runner import main
+
+    out = tmp_path / "cp.json"
+    assert main(["--cache-planning", "--quick", "--json", str(out)]) == 0
+    cp = json.loads(out.read_text())["cache_planning"]
+    budget = cp["budget_bytes"]
+    assert set(cp["load_factors"]) == {"t0", "t1", "t2", "t3"}
+    assert all(0 < lf < 1 for lf in cp["load_factors"].values())
+    row_bytes = 16 * 4
+    for arm in ("uniform", "planned", "uniform_shared"):
+        a = cp[arm]
+        assert set(a) >= {"hit_rate", "rows_fetched_per_step", "step_ms", "cache_bytes"}
+        assert 0.0 <= a["hit_rate"] <= 1.0 and a["rows_fetched_per_step"] > 0 and a["cache_bytes"] <= budget
+        assert a["cache_bytes"] == sum(a["slots"].values()) * row_bytes
+    # equal bytes: the uniform arm rounds down, by less than a row per table
+    assert 0 <= cp["planned"]["cache_bytes"] - cp["uniform"]["cache_bytes"] < 4 * row_bytes
+    assert cp["planned"]["stores"] == cp["uniform"]["stores"] == 4 and cp["uniform_shared"]["stores"] == 1
+    # the planned slots are the planner's load factors
+    rows = {t: v["rows"] for t, v in cp["tables"].items()}
+    assert cp["planned"]["slots"] == {t: max(1, round(lf * rows[t])) for t, lf in cp["load_factors"].items()}

@@ -43,6 +43,7 @@ from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingPlan
 from ..bench.step_model import StageCosts, step_s
 from ..planning import find_ebcs, planner_warnings
 from .curve import MissRatioCurve
+from .proposer import MissCurveProposer
 
 __all__ = ["CachePlan", "CacheBudgetError", "ProactivePerfEstimator", "ProactiveStorageEstimator",
            "plan_cache_sizes"]
@@ -127,7 +128,7 @@ class CachePlan:
     def describe(self) -> str:
         """The plan log's one line."""
         shown = ", ".join(f"{t}={lf:.3f}" for t, lf in sorted(self.load_factors.items()))
-        return (f"cache plan (TorchRec EmbeddingOffloadScaleupProposer, depth {self.prefetch_depth}, budget "
+        return (f"cache plan (TorchRec planner, EmbeddingOffloadScaleup + miss-curve proposers, depth {self.prefetch_depth}, budget "
                 f"{self.budget_bytes} bytes/device): {sum(self.cache_bytes.values())} cache bytes; load factors {shown}")
 
 
@@ -197,7 +198,9 @@ def plan_cache_sizes(
         topology=topology, batch_size=batch_size, constraints=constraints, enumerator=enumerator,
         # the budget is for the embedding tables alone: nothing reserved
         storage_reservation=FixedPercentageStorageReservation(0.0),
-        proposer=[GreedyProposer(), UniformProposer(), EmbeddingOffloadScaleupProposer()],
+        # TorchRec's proposers, and ours that splits the budget along the measured curves;
+        # the planner keeps the plan its perf model (proactive costs) rates best
+        proposer=[GreedyProposer(), UniformProposer(), EmbeddingOffloadScaleupProposer(), MissCurveProposer()],
     )
     try:
         with planner_warnings():
