@@ -207,3 +207,49 @@ def test_bench_cache_planning_writes_both_arms_at_equal_bytes(tmp_path) -> None:
     # the planned slots are the planner's load factors
     rows = {t: v["rows"] for t, v in cp["tables"].items()}
     assert cp["planned"]["slots"] == {t: max(1, round(lf * rows[t])) for t, lf in cp["load_factors"].items()}
+
+
+# -- the run: profile-cache, cache.budget_bytes ----------------------------------------------
+
+def _profile_cli(tmp_path, *extra: str):
+    from torchrec_proactive.cli import main
+
+    return main(["profile-cache", "--nproc", "1", "experiment=ci_tiny", "sharding=auto",
+                 f"data.root={tmp_path / 'data'}", "cache.profile_batches=12", *extra])
+
+
+def test_profile_cache_saves_reuses_and_plans(tmp_path, capsys) -> None:
+    import json
+
+    assert _profile_cli(tmp_path, f"train.output_dir={tmp_path / 'a'}") == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["reused"] is False and first["prefetch_depth"] == 2 and len(first["tables"]) == 26
+    saved = json.loads(open(first["profile"]).read())
+    assert set(saved["tables"]) == set(first["tables"]) and saved["prefetch_depth"] == 2
+    # same data and config: reused; with a budget, the planner's load factors too
+    assert _profile_cli(tmp_path, f"train.output_dir={tmp_path / 'b'}", "cache.budget_bytes=700000") == 0
+    out = capsys.readouterr().out
+    second = json.loads(out.strip().splitlines()[-1])
+    assert second["reused"] is True and "cache plan (TorchRec planner" in out
+    assert set(second["plan"]["load_factors"]) == set(first["tables"])
+    # a different sample (or depth, batch, data): profiled again
+    assert _profile_cli(tmp_path, f"train.output_dir={tmp_path / 'c'}", "prefetch.depth=1") == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["reused"] is False
+
+
+def test_budget_too_small_for_depth_refused_by_the_cli_in_one_line(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:  # (Hydra's app exits with the CLI's code)
+        _profile_cli(tmp_path, f"train.output_dir={tmp_path / 'a'}", "cache.budget_bytes=20000")
+    code = exit_.value.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    line = err[-1]
+    assert line.startswith("torchrec-proactive profile-cache: error: cache.budget_bytes=20000")
+    assert "prefetch depth 2" in line and "bytes" in line and "t_cat_" in line
+
+
+def test_budget_needs_auto_sharding() -> None:
+    from torchrec_proactive.app.compose import compose_config
+
+    with pytest.raises(Exception, match=r"cache\.budget_bytes=1000 is invalid: needs sharding\.type='auto'"):
+        compose_config(["sharding=table_wise", "cache.budget_bytes=1000"])

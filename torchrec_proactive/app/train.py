@@ -64,7 +64,14 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth)
     if notes and log_config:
         log.info("%s", model_lib.describe_growth(notes, depth))
-    dmp = model_lib.shard(model, model_lib.build_sharder(cfg, slots), cfg, env)
+    sharder = model_lib.build_sharder(cfg, slots)
+    load_factors = None
+    if cfg.cache.budget_bytes:  # per-table sizes from the data's curves (app/cache_plan.py)
+        from .cache_plan import plan_run_caches
+
+        load_factors = plan_run_caches(cfg, model, sharder, pre, tables, env.world_size, env.local_world_size,
+                                       env.device, depth, Path(cfg.train.output_dir), log).load_factors
+    dmp = model_lib.shard(model, sharder, cfg, env, load_factors=load_factors)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
 

@@ -136,14 +136,18 @@ def _row_bytes(option_or_cfg: object) -> int:
     return int(option_or_cfg.embedding_dim) * 4  # type: ignore[attr-defined]  # fp32 rows
 
 
+def _largest(need: Mapping[str, int], n: int = 6) -> str:
+    worst = sorted(need.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{t}: {b}" for t, b in worst[:n]) + (f" and {len(worst) - n} more" if len(worst) > n else "")
+
+
 def check_budget(curves: Mapping[str, MissRatioCurve], dims: Mapping[str, int], budget_bytes: int,
                  world_size: int, depth: int) -> None:
     """Refuses (one line) a budget that cannot hold the pinned rows of ``depth + 1`` batches."""
     need = {t: c.pinned_rows * dims[t] * 4 for t, c in curves.items()}
     total = sum(need.values())
     if total > budget_bytes * world_size:
-        worst = sorted(need.items(), key=lambda kv: -kv[1])
-        shown = ", ".join(f"{t}: {b}" for t, b in worst[:6]) + (" ..." if len(worst) > 6 else "")
+        shown = _largest(need)
         raise CacheBudgetError(
             f"cache.budget_bytes={budget_bytes} x {world_size} device(s) = {budget_bytes * world_size} bytes cannot hold "
             f"the rows pinned by prefetch depth {depth} ({depth + 1} batches in flight): {total} bytes needed ({shown})")
@@ -210,8 +214,8 @@ def plan_cache_sizes(
         need = {t: c.pinned_rows * configs[t].embedding_dim * 4 for t, c in curves.items()}
         raise CacheBudgetError(
             f"cache.budget_bytes={budget_bytes}: TorchRec's planner found no placement of the cached tables "
-            f"at prefetch depth {prefetch_depth} (pinned rows need {sum(need.values())} bytes: "
-            f"{', '.join(f'{t}: {b}' for t, b in sorted(need.items()))}): {str(e).splitlines()[0][:200]}") from None
+            f"at prefetch depth {prefetch_depth} (pinned rows need {sum(need.values())} bytes: {_largest(need)}; "
+            f"TorchRec also counts optimizer state and I/O buffers): {str(e).splitlines()[0][:160]}") from None
     return _read_plan(plan, curves, configs, budget_bytes, prefetch_depth)
 
 
