@@ -253,3 +253,58 @@ def test_budget_needs_auto_sharding() -> None:
 
     with pytest.raises(Exception, match=r"cache\.budget_bytes=1000 is invalid: needs sharding\.type='auto'"):
         compose_config(["sharding=table_wise", "cache.budget_bytes=1000"])
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_planned_sizes_are_exact_across_depths_and_vs_stock(world_size: int) -> None:
+    """Planner-chosen per-table sizes change speed only: bit-identical parameters and
+    outputs at depths 0, 1 and 3, stock TorchRec's within fp32 tolerance (2 gloo ranks)."""
+    from torchrec_proactive.launch import run_ranks
+
+    from . import cacheplan_worker
+
+    results = run_ranks(cacheplan_worker.planned_exactness, world_size=world_size, depths=[0, 1, 3],
+                        budget_bytes=BUDGET_FOR_EXACTNESS)
+    lfs = results[0]["load_factors"]
+    assert all(r["load_factors"] == lfs for r in results)  # every rank planned the same
+    assert all(0 < lf < 0.999 for lf in lfs.values()) and len(set(lfs.values())) > 1, lfs
+    for r in results:
+        assert r["bitwise_equal_across_depths"] and r["same_keys_as_stock"], r["rank"]
+        assert r["max_param_diff_vs_stock"] < 1e-5 and r["max_out_diff_vs_stock"] < 1e-5, r
+        assert r["stats"][3]["rows_fetched"] > 0  # the caches really were smaller than the tables
+        for sizes in r["sizes"].values():  # one store per table, sized by the plan
+            for name, s in sizes.items():
+                assert s["num_slots"] == max(1, round(lfs[name] * s["num_rows"])), (name, s)
+
+
+BUDGET_FOR_EXACTNESS = 30_000
+
+
+def test_miss_curve_allocation_beats_every_other_split_on_a_grid() -> None:
+    """allocate_by_curves (the miss-curve proposer's split) hits at least as many rows as any
+    split of the same bytes on a grid, and never spends more than the budget."""
+    import itertools
+
+    from torchrec_proactive.cacheplan.proposer import allocate_by_curves
+
+    curves = [MissRatioCurve.from_steps(_zipf_steps(s, 2000, a, 256, 80), 2000, depth=0, warmup=10)
+              for s, a in ((0, 1.3), (1, 0.8), (2, 0.4))]
+    per_clf = [2000 * 64.0] * 3
+    start = [c.min_load_factor for c in curves]
+    budget = 0.3 * 2000 * 64
+
+    def hits(lfs):
+        return sum(c.hit_rows(lf * c.num_rows) / c.num_batches for c, lf in zip(curves, lfs))
+
+    got = allocate_by_curves(curves, per_clf, start, budget, 0.999)
+    spent = sum((g - s) * a for g, s, a in zip(got, start, per_clf))
+    assert spent <= budget + 1e-6 and all(g >= s for g, s in zip(got, start))
+    best_grid = 0.0
+    steps = [i / 20 for i in range(21)]
+    for x, y in itertools.product(steps, steps):
+        if x + y <= 1:
+            share = [x, y, 1 - x - y]
+            lfs = [min(0.999, s + f * budget / a) for s, f, a in zip(start, share, per_clf)]
+            best_grid = max(best_grid, hits(lfs))
+    assert hits(got) >= best_grid - 1e-6
+    assert got[0] != got[2]  # skew decides: not a uniform split
