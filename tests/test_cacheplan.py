@@ -308,3 +308,13 @@ def test_miss_curve_allocation_beats_every_other_split_on_a_grid() -> None:
             best_grid = max(best_grid, hits(lfs))
     assert hits(got) >= best_grid - 1e-6
     assert got[0] != got[2]  # skew decides: not a uniform split
+
+
+def test_left_over_hbm_budget_needs_cuda() -> None:
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder
+    from torchrec_proactive.cacheplan.planner import plan_cache_sizes
+
+    curves = {"a": MissRatioCurve.from_steps(_zipf_steps(0, 1000, 0.8, 64, 10), 1000)}
+    with pytest.raises(ValueError, match=r"cache\.budget_bytes=-1 .* needs a CUDA device"):
+        plan_cache_sizes(_ebc({"a": 1000}), ProactiveEmbeddingBagCollectionSharder(), curves, None, 0, 1,
+                         device_type="cpu")

@@ -96,7 +96,7 @@ def plan_run_caches(cfg: Config, model: torch.nn.Module, sharder: Any, pre: Prep
         curves, path, reused = profile_here(cfg, pre, tables, world_size, depth, log)
         if reused:
             log.info("cache profile: reused %s (same data, tables, batch and depth)", path)
-        budget = cfg.cache.budget_bytes
+        budget = cfg.cache.budget_bytes if cfg.cache.budget_bytes > 0 else None  # -1: the HBM left over
         try:
             plan = plan_cache_sizes(model, sharder, curves, budget, depth, world_size, local_size,
                                     device_type=device.type, batch_size=cfg.train.batch_size)
@@ -132,7 +132,8 @@ def run_profile(cfg: Config) -> Dict[str, Any]:
         if cfg.cache.budget_bytes:
             model = build_model(cfg.model, pre.cardinalities, env.device)
             try:
-                plan = plan_cache_sizes(model, build_sharder(cfg, {}), curves, cfg.cache.budget_bytes, depth,
+                budget = cfg.cache.budget_bytes if cfg.cache.budget_bytes > 0 else None
+                plan = plan_cache_sizes(model, build_sharder(cfg, {}), curves, budget, depth,
                                         env.world_size, env.local_world_size, device_type=env.device.type,
                                         batch_size=cfg.train.batch_size)
             except CacheBudgetError as e:

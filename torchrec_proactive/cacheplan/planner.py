@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -157,7 +158,7 @@ def plan_cache_sizes(
     model: nn.Module,
     sharder: EmbeddingBagCollectionSharder,
     curves: Mapping[str, MissRatioCurve],
-    budget_bytes: int,
+    budget_bytes: Optional[int],
     prefetch_depth: int,
     world_size: int,
     local_size: Optional[int] = None,
@@ -168,9 +169,18 @@ def plan_cache_sizes(
     """Load factors for every table in ``curves`` (the model's other tables are planned as
     usual), chosen by TorchRec's planner on a device topology of ``budget_bytes`` per device.
 
+    ``budget_bytes=None`` (CUDA only): the device's memory, less TorchRec's usual 15% for the
+    dense part - the HBM the other tables leave is what the caches get.
+
     Raises :class:`CacheBudgetError` (one line naming tables and bytes) when the budget
     cannot hold the rows of ``prefetch_depth + 1`` batches.
     """
+    reserve = 0.0  # a given budget is for the embedding tables alone: nothing reserved
+    if budget_bytes is None:
+        if device_type != "cuda" or not torch.cuda.is_available():
+            raise ValueError("cache.budget_bytes=-1 (the device memory left over) needs a CUDA device; "
+                             "on CPU give the budget in bytes")
+        budget_bytes, reserve = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, 0.15
     if budget_bytes < 1:
         raise ValueError(f"cache.budget_bytes must be >= 1, got {budget_bytes!r}")
     configs = {c.name: c for ebc in find_ebcs(model).values() for c in ebc.embedding_bag_configs()}
@@ -181,7 +191,8 @@ def plan_cache_sizes(
         if c.num_rows != configs[name].num_embeddings:
             raise ValueError(f"cache profile: table '{name}' has {c.num_rows} rows in the profile but "
                              f"{configs[name].num_embeddings} in the model (profile again)")
-    check_budget(curves, {t: configs[t].embedding_dim for t in curves}, budget_bytes, world_size, prefetch_depth)
+    check_budget(curves, {t: configs[t].embedding_dim for t in curves}, int(budget_bytes * (1 - reserve)), world_size,
+                 prefetch_depth)
     local_size = local_size or world_size
     types = [t for t in sharder.sharding_types(device_type) if _CACHED in sharder.compute_kernels(t, device_type)]
     constraints: Dict[str, ParameterConstraints] = {}
@@ -200,8 +211,7 @@ def plan_cache_sizes(
                    ProactiveStorageEstimator(topology, constraints)])
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch_size, constraints=constraints, enumerator=enumerator,
-        # the budget is for the embedding tables alone: nothing reserved
-        storage_reservation=FixedPercentageStorageReservation(0.0),
+        storage_reservation=FixedPercentageStorageReservation(reserve),
         # TorchRec's proposers, and ours that splits the budget along the measured curves;
         # the planner keeps the plan its perf model (proactive costs) rates best
         proposer=[GreedyProposer(), UniformProposer(), EmbeddingOffloadScaleupProposer(), MissCurveProposer()],

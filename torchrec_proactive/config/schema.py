@@ -234,7 +234,8 @@ class CacheConfig:
     """0: every table gets ``load_factor``. > 0 (with ``sharding.type=auto``): per-table load
     factors chosen by TorchRec's planner from the data's miss-ratio curves (see
     ``torchrec-proactive profile-cache``) under this many device bytes per rank, as TorchRec's
-    storage model counts them (cache rows, their optimizer state, I/O buffers)."""
+    storage model counts them (cache rows, their optimizer state, I/O buffers). -1 (CUDA
+    only): the device memory the other tables leave, after TorchRec's 15% for the dense part."""
     profile_batches: int = 200
     """Global batches sampled from the training data to measure the miss-ratio curves."""
     profile_path: str = ""
@@ -243,7 +244,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.load_factor <= 1.0:
             _fail("cache.load_factor", self.load_factor, "must be in (0, 1]")
-        _at_least("cache.budget_bytes", self.budget_bytes, 0)
+        _at_least("cache.budget_bytes", self.budget_bytes, -1)
         _at_least("cache.profile_batches", self.profile_batches, 2)
         _choice("cache.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
 
