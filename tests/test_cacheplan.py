@@ -318,3 +318,20 @@ def test_left_over_hbm_budget_needs_cuda() -> None:
     with pytest.raises(ValueError, match=r"cache\.budget_bytes=-1 .* needs a CUDA device"):
         plan_cache_sizes(_ebc({"a": 1000}), ProactiveEmbeddingBagCollectionSharder(), curves, None, 0, 1,
                          device_type="cpu")
+
+
+def test_train_with_a_budget_plans_logs_and_uses_the_sizes(tmp_path, capsys) -> None:
+    """`train sharding=auto cache.budget_bytes=B`: the profile is made (once) and copied into
+    the run, the plan's load factors are in the log, and the run trains."""
+    from torchrec_proactive.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "--nproc", "1", "experiment=ci_tiny", "sharding=auto", f"data.root={tmp_path / 'data'}",
+                 f"train.output_dir={out}", "cache.budget_bytes=400000", "cache.profile_batches=12",
+                 "train.epochs=1", "train.save_checkpoints=false"])
+    assert code == 0
+    log = (out / "rank_0" / "train.log").read_text()
+    line = next(x for x in log.splitlines() if "cache plan (TorchRec planner" in x)
+    assert "budget 400000 bytes/device" in line and "t_cat_0=" in line
+    assert (out / "cache_profile.json").is_file()
+    assert '"steps"' in capsys.readouterr().out  # the TrainResult line
