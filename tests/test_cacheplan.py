@@ -335,3 +335,36 @@ def test_train_with_a_budget_plans_logs_and_uses_the_sizes(tmp_path, capsys) -> 
     assert "budget 400000 bytes/device" in line and "t_cat_0=" in line
     assert (out / "cache_profile.json").is_file()
     assert '"steps"' in capsys.readouterr().out  # the TrainResult line
+
+
+def test_row_wise_shards_combine_into_the_tables_curve() -> None:
+    """Each row-wise shard caches clf x its rows: the combined curve is the sum of the
+    shards' brute-force LRU hits, and its floor is the fullest shard's pinned rows."""
+    steps = _trace(5, num_rows=300, batch=40, num_batches=50, alpha=1.0)
+    shards = [MissRatioCurve.from_steps(shard_steps(steps, lo, lo + 150), 150, depth=1, warmup=5) for lo in (0, 150)]
+    table = MissRatioCurve.combine_shards(shards)
+    assert table.num_rows == 300 and table.accesses == sum(s.accesses for s in shards)
+    assert table.min_load_factor == pytest.approx(max(s.min_load_factor for s in shards), abs=1 / 300)
+    for k in range(0, 151, 10):
+        if k / 150 < table.min_load_factor:
+            assert table.hit_rows(2 * k) == 0.0
+            continue
+        brute = sum(_lru_hits(shard_steps(steps, lo, lo + 150), k, warmup=5) for lo in (0, 150))
+        assert table.hit_rows(2 * k) == pytest.approx(brute), k
+    assert MissRatioCurve.from_dict(table.to_dict()) == table
+
+
+def test_profile_of_row_wise_shards() -> None:
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    from torchrec_proactive.cacheplan.profile import profile_batches
+
+    steps = _trace(6, num_rows=301, batch=30, num_batches=30, alpha=1.0)
+    t = EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=301, feature_names=["f"])
+    kjts = [KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.as_tensor(s),
+                                                lengths=torch.ones(len(s), dtype=torch.int64)) for s in steps]
+    whole = profile_batches(kjts, [t], depth=0)["t"]
+    split = profile_batches(kjts, [t], depth=0, row_wise_shards=2)["t"]
+    assert whole.accesses == split.accesses and split.num_rows == 301
+    parts = [MissRatioCurve.from_steps(shard_steps(steps, lo, hi), hi - lo) for lo, hi in ((0, 151), (151, 301))]
+    assert split == MissRatioCurve.combine_shards(parts)

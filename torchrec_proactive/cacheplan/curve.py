@@ -131,6 +131,24 @@ class MissRatioCurve(CacheStatistics):
                    pinned_rows=pinned_rows(steps, depth), sizes=tuple(int(s) for s in sizes),
                    hits=tuple(int(h) for h in hits))
 
+    @classmethod
+    def combine_shards(cls, shards: Sequence["MissRatioCurve"], max_points: int = MAX_POINTS) -> "MissRatioCurve":
+        """The table's curve when each (row-wise) shard caches ``clf x`` its own rows: hits
+        summed over the shards at every load factor; the table's ``min_load_factor`` is the
+        largest shard's, since every shard must hold its own pinned rows."""
+        if not shards or len({s.num_batches for s in shards}) != 1 or len({s.depth for s in shards}) != 1:
+            raise ValueError("combine_shards needs curves of the same batches and depth")
+        num_rows = sum(s.num_rows for s in shards)
+        clfs = np.unique(np.concatenate([np.asarray(s.sizes, dtype=np.float64) / s.num_rows for s in shards]))
+        if clfs.size > max_points:
+            clfs = np.unique(np.concatenate([clfs[np.linspace(0, clfs.size - 1, max_points).round().astype(int)]]))
+        floor = max(s.min_load_factor for s in shards)
+        hits = [sum(s.hit_rows(c * s.num_rows) for s in shards) if c >= floor else 0.0 for c in clfs]
+        sizes = [c * num_rows for c in clfs]
+        return cls(num_rows=num_rows, depth=shards[0].depth, num_batches=shards[0].num_batches,
+                   accesses=sum(s.accesses for s in shards), pinned_rows=int(np.ceil(floor * num_rows - 1e-9)),
+                   sizes=tuple(float(x) for x in sizes), hits=tuple(float(h) for h in hits))
+
     # -- TorchRec's CacheStatistics -----------------------------------------------------------
 
     @property
@@ -175,7 +193,7 @@ class MissRatioCurve(CacheStatistics):
     def from_dict(cls, doc: Dict[str, Any]) -> "MissRatioCurve":
         c = cls(num_rows=int(doc["num_rows"]), depth=int(doc["depth"]), num_batches=int(doc["num_batches"]),
                 accesses=int(doc["accesses"]), pinned_rows=int(doc["pinned_rows"]),
-                sizes=tuple(int(s) for s in doc["sizes"]), hits=tuple(int(h) for h in doc["hits"]))
+                sizes=tuple(doc["sizes"]), hits=tuple(doc["hits"]))
         if len(c.sizes) != len(c.hits) or not c.sizes or any(h > c.accesses for h in c.hits):
             raise ValueError("cache profile: a curve's sizes and hits do not match")
         return c

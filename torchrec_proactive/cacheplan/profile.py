@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from .curve import MissRatioCurve
+from .curve import MissRatioCurve, shard_steps
 
 __all__ = ["table_ids", "profile_batches", "fingerprint", "save_profile", "load_profile", "PROFILE_FILE"]
 
@@ -35,16 +35,27 @@ def table_ids(kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig]) -> D
 
 
 def profile_batches(kjts: Iterable[KeyedJaggedTensor], tables: Sequence[EmbeddingBagConfig], depth: int,
-                    warmup: int = 0) -> Dict[str, MissRatioCurve]:
-    """Every table's curve over the given (global) batches' sparse features."""
+                    warmup: int = 0, row_wise_shards: int = 1) -> Dict[str, MissRatioCurve]:
+    """Every table's curve over the given (global) batches' sparse features. With
+    ``row_wise_shards=n > 1``: measured per row-wise shard (TorchRec's blocks of
+    ``ceil(rows / n)`` rows) and combined, for plans that shard the tables row-wise."""
     steps: Dict[str, List[np.ndarray]] = {t.name: [] for t in tables}
     for kjt in kjts:
         for name, ids in table_ids(kjt, tables).items():
             steps[name].append(ids)
     if not all(steps.values()):
         raise ValueError("cache profile: no batches to profile")
-    return {t.name: MissRatioCurve.from_steps(steps[t.name], t.num_embeddings, depth=depth, warmup=warmup)
-            for t in tables}
+    if row_wise_shards <= 1:
+        return {t.name: MissRatioCurve.from_steps(steps[t.name], t.num_embeddings, depth=depth, warmup=warmup)
+                for t in tables}
+    out = {}
+    for t in tables:
+        block = -(-t.num_embeddings // row_wise_shards)
+        bounds = [(lo, min(lo + block, t.num_embeddings)) for lo in range(0, t.num_embeddings, block)]
+        out[t.name] = MissRatioCurve.combine_shards(
+            [MissRatioCurve.from_steps(shard_steps(steps[t.name], lo, hi), hi - lo, depth=depth, warmup=warmup)
+             for lo, hi in bounds])
+    return out
 
 
 def fingerprint(files: Sequence[Path], **what: Any) -> str:
