@@ -108,6 +108,9 @@ def plan_run_caches(cfg: Config, model: torch.nn.Module, sharder: Any, pre: Prep
 
     plan = _on_rank0(work)
     log.info("%s", plan.describe())
+    if cfg.cache.eviction_policy != "lru":  # (TorchRec's scale-up proposer assumes LRU as well)
+        log.info("cache plan: the curves model LRU eviction; with cache.eviction_policy=%s the hit rates differ "
+                 "from the planned ones (the sizes still hold the pinned rows)", cfg.cache.eviction_policy)
     return plan
 
 
