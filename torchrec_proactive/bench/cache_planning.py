@@ -4,8 +4,10 @@ Skewed tables (different Zipf exponents and sizes) train on one rank with an emu
 Their curves are measured on a separate sample of batches (the profile), TorchRec's planner
 with :mod:`torchrec_proactive.cacheplan.planner` picks per-table load factors under
 ``budget_bytes``, and the *uniform* arm gets one load factor with the same total cache bytes
-(rounded down, so never more). Both arms then train on the same batches, from the same
-weights, in alternating rounds, and report ``{hit_rate, rows_fetched_per_step, step_ms,
+(rounded down, so never more); both have one cache per table. A third arm,
+``uniform_shared``, is the uniform load factor with TorchRec's default grouping (every table
+in one store: one shared LRU cache of the same bytes). The arms train on the same batches,
+from the same weights, in alternating rounds, and report ``{hit_rate, rows_fetched_per_step, step_ms,
 cache_bytes}`` (step_ms: the median step, a measurement on a shared CPU; the counters are
 deterministic).
 """

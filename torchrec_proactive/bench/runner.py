@@ -4,6 +4,7 @@ Usage::
 
     torchrec-proactive bench [--quick] [--json out.json] [--timeline out/] [--scaling out/]
                              [--sweep-bandwidth 0.05,0.1,0.2] [--world-size 2]
+    torchrec-proactive bench --cache-planning [--quick] [--cache-budget-bytes B] [--json out.json]
 
 Configurations (same model, data and initial weights): ``resident`` (stock TorchRec, every
 row in device memory), ``reactive`` (depth 0), ``depth_k`` for each ``--depths`` entry,
