@@ -130,7 +130,8 @@ class CachePlan:
         """The plan log's one line."""
         shown = ", ".join(f"{t}={lf:.3f}" for t, lf in sorted(self.load_factors.items()))
         return (f"cache plan (TorchRec planner, EmbeddingOffloadScaleup + miss-curve proposers, depth {self.prefetch_depth}, budget "
-                f"{self.budget_bytes} bytes/device): {sum(self.cache_bytes.values())} cache bytes; load factors {shown}")
+                f"{self.budget_bytes} bytes/device): cache rows {sum(self.cache_bytes.values())} bytes on all devices; "
+                f"load factors {shown}")
 
 
 def _row_bytes(option_or_cfg: object) -> int:
