@@ -166,6 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(c, default_nproc=2)
     c.set_defaults(func=cmd_compare, parser=c)
 
+    pc = sub.add_parser("profile-cache", formatter_class=_HelpFormatter, epilog=epilog,
+                        help="measure each table's miss-ratio curve on the run's data (and plan the cache sizes)",
+                        description="Samples cache.profile_batches global batches of the training data, measures "
+                                    "each table's miss-ratio curve at the run's prefetch depth and saves it "
+                                    "(cache.profile_path, default cache_profile.json in the data set's directory; "
+                                    "reused while data, tables, batch and depth are unchanged). With "
+                                    "cache.budget_bytes=B (and sharding=auto) it also prints the load factors the "
+                                    "planner picks; `train` with the same config uses them. The last line on "
+                                    "stdout is JSON.")
+    _add_run_options(pc, default_nproc=1)
+    pc.set_defaults(func=cmd_profile_cache, parser=pc)
+
     # `bench` hands every argument (--help included) to the runner; see main().
     sub.add_parser("bench", help="benchmarks (torchrec_proactive.bench.runner; `bench --help`)", add_help=False)
     return parser
@@ -297,6 +309,24 @@ def cmd_compare(argv: Sequence[str]) -> int:
     return _run("compare", argv, _report_compare)
 
 
+def _report_profile(results: List[Any]) -> None:
+    import json
+
+    if _is_rank0():
+        out = results[0]
+        for name, t in sorted(out["tables"].items()):
+            print(f"{name}: {t['expected_lookups']:.0f} distinct rows/batch, cacheability {t['cacheability']:.3f}, "
+                  f"min load factor {t['min_load_factor']:.4f}", flush=True)
+        if "plan" in out:
+            print(out["plan"]["log"], flush=True)
+        print(json.dumps(out), flush=True)
+
+
+def cmd_profile_cache(argv: Sequence[str]) -> int:
+    """``profile-cache``: the run's cache profile (and plan), printed; JSON last."""
+    return _run("profile-cache", argv, _report_profile)
+
+
 def cmd_bench(argv: Sequence[str]) -> int:
     """``bench``: hands ``argv`` to :mod:`torchrec_proactive.bench.runner`."""
     try:
@@ -323,9 +353,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cmd_bench(argv[1:])
     command = argv[0] if argv else None
     try:
-        if command in ("train", "compare"):
+        if command in ("train", "compare", "profile-cache"):
             # Hydra parses its own flags and the overrides (see HYDRA_OPTIONS)
-            return int((cmd_train if command == "train" else cmd_compare)(argv[1:]) or 0)
+            run = {"train": cmd_train, "compare": cmd_compare, "profile-cache": cmd_profile_cache}[command]
+            return int(run(argv[1:]) or 0)
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except UserError as e:

@@ -88,13 +88,14 @@ def build_plan(
     world_size: Optional[int] = None,
     local_size: Optional[int] = None,
     device_type: str = "cpu",
-    cache_load_factor: Optional[float] = None,
+    cache_load_factor: Optional[Union[float, Mapping[str, float]]] = None,
     pg: Optional[dist.ProcessGroup] = None,
 ) -> ShardingPlan:
     """A plan for every ``EmbeddingBagCollection`` in ``model``.
 
     Hand-built (``construct_module_sharding_plan``) for explicit sharding types; TorchRec's
     planner for ``"auto"`` (constrained to ``kernel`` and the cache load factor).
+    ``cache_load_factor``: one for every table, or per table (e.g. the cache planner's).
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown compute kernel {kernel!r}; choose from {KERNELS}")
@@ -103,7 +104,10 @@ def build_plan(
     ebcs = find_ebcs(model)
     if not ebcs:
         raise ValueError("the model has no EmbeddingBagCollection to shard")
-    cache = CacheParams(load_factor=cache_load_factor) if cache_load_factor is not None else None
+    def cache_for(table: str) -> Optional[CacheParams]:
+        lf = cache_load_factor.get(table) if isinstance(cache_load_factor, Mapping) else cache_load_factor
+        return CacheParams(load_factor=lf) if lf is not None else None
+
     if sharding == "auto":
         # TorchRec's CPU perf estimators know no UVM caching (CPU has no UVM), so on CPU the
         # planner places the tables as `fused` and the placement is then marked cached.
@@ -113,7 +117,8 @@ def build_plan(
         # dense - offering it made the planner warn once per table that no kernel fits).
         types = [t for t in sharder.sharding_types(device_type) if kernel in sharder.compute_kernels(t, device_type)]
         constraints = {
-            cfg.name: ParameterConstraints(sharding_types=types, compute_kernels=[plan_kernel], cache_params=cache)
+            cfg.name: ParameterConstraints(sharding_types=types, compute_kernels=[plan_kernel],
+                                           cache_params=cache_for(cfg.name))
             for ebc in ebcs.values() for cfg in ebc.embedding_bag_configs()
         }
         topology = TopologyFactory.create_topology(
@@ -130,10 +135,10 @@ def build_plan(
             warnings.warn(f"TorchRec's planner logged {len(heard)} warning(s); the first: {heard[0]}", stacklevel=2)
         if plan_kernel != kernel:
             for module_plan in plan.plan.values():
-                for ps in module_plan.values():  # type: ignore[union-attr]
+                for name, ps in module_plan.items():  # type: ignore[union-attr]
                     if ps.compute_kernel == plan_kernel:
                         ps.compute_kernel = kernel
-                        ps.cache_params = cache
+                        ps.cache_params = cache_for(name)
         return plan
     plan: Dict[str, Any] = {}
     for fqn, ebc in ebcs.items():
@@ -154,8 +159,8 @@ def build_plan(
         for name, ps in module_plan.items():
             if per_table[name] != "data_parallel":
                 ps.compute_kernel = kernel
-                if cache is not None and kernel == "fused_uvm_caching":
-                    ps.cache_params = cache
+                if cache_for(name) is not None and kernel == "fused_uvm_caching":
+                    ps.cache_params = cache_for(name)
         plan[fqn] = module_plan
     return ShardingPlan(plan)
 

@@ -21,7 +21,7 @@ from .config_words import capacity_error, in_config_words
 from ..quiet import quiet_third_party
 from .errors import UserError
 
-MODES = ("train", "compare")
+MODES = ("train", "compare", "profile-cache")
 
 def _agree_output_dir(cfg: Any, overrides: Sequence[str]) -> Any:
     """Rank 0's ``train.output_dir`` on every rank, unless the command line set it.
@@ -71,6 +71,10 @@ def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
                 from .compare import run_compare
 
                 return run_compare(cfg)
+            if mode == "profile-cache":
+                from .cache_plan import run_profile
+
+                return run_profile(cfg)
         except CacheCapacityError as e:
             raise capacity_error(cfg, e) from e
     raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")

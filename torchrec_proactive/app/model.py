@@ -10,6 +10,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.embedding_sharding import USE_ONE_TBE_PER_TABLE
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
@@ -77,7 +78,7 @@ def cache_slots(
     tables it leaves out are not cached. Without it the rows are estimated from
     ``sharding.type`` - which, for ``auto``, cannot know the planner's choice per table.
     """
-    if not cfg.cache.fit_depth:
+    if not cfg.cache.fit_depth or cfg.cache.budget_bytes:  # (planned sizes keep the measured pins)
         return {}, []
     batches = depth + 1
     ids_per_batch = world_size * cfg.train.batch_size
@@ -120,18 +121,25 @@ def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCo
     link = None
     if cfg.link.kind == "emulated":
         link = LinkModel(bandwidth_gbps=cfg.link.bandwidth_gbps, latency_us=cfg.link.latency_us)
+    fused = fused_params(cfg.optimizer)
+    if cfg.cache.budget_bytes:
+        # planned per-table sizes: one store (TorchRec: one TBE) per table, else TorchRec
+        # groups the tables into one shared cache of the summed slots
+        fused[USE_ONE_TBE_PER_TABLE] = True
     return ProactiveEmbeddingBagCollectionSharder(
-        fused_params=fused_params(cfg.optimizer), cache_load_factor=cfg.cache.load_factor,
+        fused_params=fused, cache_load_factor=cfg.cache.load_factor,
         eviction_policy=cfg.cache.eviction_policy, num_slots=slots, link=link,
     )
 
 
-def plan(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config, env: RankEnv) -> ShardingPlan:
-    """The sharding plan of ``sharding.*`` (TorchRec's planner for ``auto``)."""
+def plan(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config, env: RankEnv,
+         load_factors: Optional[Mapping[str, float]] = None) -> ShardingPlan:
+    """The sharding plan of ``sharding.*`` (TorchRec's planner for ``auto``). ``load_factors``:
+    per table (the cache planner's), else ``cache.load_factor`` for all."""
     return build_plan(
         model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
         local_size=env.local_world_size, device_type=env.device.type,
-        cache_load_factor=cfg.cache.load_factor if cfg.sharding.kernel == "fused_uvm_caching" else None,
+        cache_load_factor=(load_factors or cfg.cache.load_factor) if cfg.sharding.kernel == "fused_uvm_caching" else None,
     )
 
 

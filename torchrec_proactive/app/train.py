@@ -69,7 +69,13 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     tables = model_lib.table_configs(cfg.model, data.cardinalities)
     depth = cfg.prefetch.capacity_depth if cache_depth is None else cache_depth
     sharder = model_lib.build_sharder(cfg, {})
-    plan = model_lib.plan(model, sharder, cfg, env)
+    load_factors = None
+    if cfg.cache.budget_bytes:  # per-table sizes from the data's curves (app/cache_plan.py)
+        from .cache_plan import plan_run_caches
+
+        load_factors = plan_run_caches(cfg, model, sharder, pre, tables, env.world_size, env.local_world_size,
+                                       env.device, depth, Path(cfg.train.output_dir), log).load_factors
+    plan = model_lib.plan(model, sharder, cfg, env, load_factors)
     # cache sizes from the plan's shards: sharding=auto may place a table whole on one rank
     slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth,
                                          shard_rows=model_lib.shard_rows(plan))

@@ -4,6 +4,7 @@ Usage::
 
     torchrec-proactive bench [--quick] [--json out.json] [--timeline out/] [--scaling out/]
                              [--sweep-bandwidth 0.05,0.1,0.2] [--world-size 2]
+    torchrec-proactive bench --cache-planning [--quick] [--cache-budget-bytes B] [--json out.json]
 
 Configurations (same model, data and initial weights): ``resident`` (stock TorchRec, every
 row in device memory), ``reactive`` (depth 0), ``depth_k`` for each ``--depths`` entry,
@@ -138,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--sweep-bandwidth", type=comma_list(float_above(0.0), "numbers > 0"), metavar="GBPS,...",
                      help="comma-separated emulated link bandwidths in GB/s: one run each, warns when the rates "
                           "are non-monotonic beyond noise; default: no sweep")
+    out.add_argument("--cache-planning", action="store_true",
+                     help="run only the cache-planning case: skewed tables, planner-chosen vs uniform load factors "
+                          "at equal cache bytes, on 1 rank (JSON key cache_planning; see bench/cache_planning.py)")
+    out.add_argument("--cache-budget-bytes", type=int_at_least(1), default=None, metavar="B",
+                     help="--cache-planning: device budget per rank in bytes (default: a quarter of the tables' bytes)")
     w = p.add_argument_group("workload")
     w.add_argument("--world-size", type=int_at_least(1), default=2, metavar="N", help="local gloo ranks")
     w.add_argument("--sharding", choices=SHARDINGS, default="table_wise", metavar="TYPE",
@@ -218,6 +224,21 @@ def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace) ->
     return {k: doc[k] for k in ("validation", "validation_max_abs_error", "verdicts", "files")}
 
 
+def _cache_planning(args: argparse.Namespace, summary: Any) -> int:
+    from .cache_planning import PlanningCase, SkewedWorkload, run_cache_planning, summary_line
+
+    case = PlanningCase(budget_bytes=args.cache_budget_bytes or 0)
+    if args.quick:
+        case = replace(case, workload=SkewedWorkload(embedding_dim=16, batch_size=128, table_rows=(4000, 2000, 1000, 500)),
+                       profile_steps=80, warmup_steps=30, measure_steps=10, rounds=1,
+                       # half the tables' bytes: at this size TorchRec's fixed I/O estimate is a large share
+                       budget_bytes=args.cache_budget_bytes or 240_000)
+    out = run_cache_planning(case)
+    print(summary_line(out), file=summary, flush=True)
+    _write_json(args.json, {"cache_planning": out})
+    return 0
+
+
 def _write_json(path: Optional[Path], doc: Dict[str, Any]) -> None:
     if path is None:
         return
@@ -239,6 +260,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = sys.stderr if args.json is not None and str(args.json) == "-" else sys.stdout
     settings = _settings(args)
     try:
+        if args.cache_planning:
+            return _cache_planning(args, summary)
         if args.sweep_bandwidth:
             return _sweep(args, settings, summary)
         result = run_bench(settings, args.world_size)

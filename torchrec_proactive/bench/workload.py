@@ -45,6 +45,10 @@ class Workload:
         big = sorted(KAGGLE_CARDINALITIES, reverse=True)[: self.num_tables]
         return [min(c, self.rows_per_table) for c in big]
 
+    def alphas(self) -> List[float]:
+        """Zipf skew of each table's ids (one for all here; per table in the cache-planning case)."""
+        return [self.zipf_alpha] * len(self.cardinalities())
+
     def tables(self) -> List[EmbeddingBagConfig]:
         return [
             EmbeddingBagConfig(name=f"t{i}", embedding_dim=self.embedding_dim, num_embeddings=n, feature_names=[f"cat_{i}"])
@@ -57,7 +61,8 @@ class Workload:
         cards = self.cardinalities()
         for _ in range(num):
             n = self.batch_size * self.ids_per_feature
-            values = [torch.from_numpy(sample_zipf_ranks(rng, c, self.zipf_alpha, n).astype(np.int64)) for c in cards]
+            values = [torch.from_numpy(sample_zipf_ranks(rng, c, a, n).astype(np.int64))
+                      for c, a in zip(cards, self.alphas())]
             lengths = torch.full((len(cards) * self.batch_size,), self.ids_per_feature, dtype=torch.int64)
             kjt = KeyedJaggedTensor.from_lengths_sync(
                 keys=[f"cat_{i}" for i in range(len(cards))], values=torch.cat(values), lengths=lengths

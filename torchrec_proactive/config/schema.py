@@ -230,10 +230,22 @@ class CacheConfig:
     fit_depth: bool = True
     """Grow caches that cannot hold ``depth + 1`` batches of rows (small tables, tiny load
     factors) to that size, logging each change, instead of failing at the first batch."""
+    budget_bytes: int = 0
+    """0: every table gets ``load_factor``. > 0 (with ``sharding.type=auto``): per-table load
+    factors chosen by TorchRec's planner from the data's miss-ratio curves (see
+    ``torchrec-proactive profile-cache``) under this many device bytes per rank, as TorchRec's
+    storage model counts them (cache rows, their optimizer state, I/O buffers). -1 (CUDA
+    only): the device memory the other tables leave, after TorchRec's 15% for the dense part."""
+    profile_batches: int = 200
+    """Global batches sampled from the training data to measure the miss-ratio curves."""
+    profile_path: str = ""
+    """Where the cache profile is kept; empty: ``cache_profile.json`` in the data set's directory."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.load_factor <= 1.0:
             _fail("cache.load_factor", self.load_factor, "must be in (0, 1]")
+        _at_least("cache.budget_bytes", self.budget_bytes, -1)
+        _at_least("cache.profile_batches", self.profile_batches, 2)
         _choice("cache.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
 
 
@@ -355,6 +367,10 @@ class Config:
                 and self.train.max_steps < self.prefetch.warmup_steps:
             _fail("prefetch.warmup_steps", self.prefetch.warmup_steps,
                   f"must be <= train.max_steps={self.train.max_steps} with prefetch.mode='auto'")
+        if self.cache.budget_bytes and (self.sharding.type != "auto" or self.sharding.kernel != "fused_uvm_caching"):
+            _fail("cache.budget_bytes", self.cache.budget_bytes,
+                  f"needs sharding.type='auto' and sharding.kernel='fused_uvm_caching' (the planner chooses the "
+                  f"cache sizes), got sharding.type={self.sharding.type!r}, sharding.kernel={self.sharding.kernel!r}")
         if self.sharding.kernel == "fused" and self.prefetch.capacity_depth != 0:
             _fail("prefetch.mode", self.prefetch.mode,
                   "must be 'off' (or 'fixed' with depth 0) with sharding.kernel='fused' (stock tables have "

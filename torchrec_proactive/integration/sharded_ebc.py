@@ -588,6 +588,13 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return {kernel.store.name: ("device" if isinstance(kernel.store, DeviceTieredTable) else "host")
                 for kernel in self._proactive_kernels}
 
+    def cache_sizes(self) -> Dict[str, Dict[str, float]]:
+        """Each of this rank's proactive stores: ``{"num_slots", "num_rows", "load_factor"}``
+        (the load factor the plan - e.g. the cache planner's - gave its tables, as slots/rows)."""
+        return {kernel.store.name: {"num_slots": kernel.store.num_slots, "num_rows": kernel.store.num_rows,
+                                    "load_factor": kernel.store.num_slots / max(kernel.store.num_rows, 1)}
+                for kernel in self._proactive_kernels}
+
     def set_prefetch_depth(self, depth: int) -> None:
         """Depth ``k`` of the pipeline driving this module (0 = reactive)."""
         if depth < 0:
