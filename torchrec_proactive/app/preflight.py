@@ -87,11 +87,12 @@ def check_resume(cfg: Config) -> None:
     from .compose import flatten
     from .resume import refuse_changes
 
-    # (The files' checksums are verified by the ranks, each reading a share of them: here
-    # only what is cheap to read - the manifest, the config it may continue, the metadata.)
+    # The whole check, checksums included (one more read of the checkpoint's bytes, here
+    # before Hydra or any rank writes anything; the ranks verify again, each a share, since
+    # a scheduler may start them without this process).
     reader = Checkpointer(checkpoint_dir(cfg), 0, 1, 0, logging.getLogger(__name__))
     try:
-        manifest = reader.manifest(path)
+        manifest = reader.verify(path)
         refuse_changes(manifest.get("config", {}), flatten(cfg), path)
         reader.saved_keys(path)
     except UserError:
