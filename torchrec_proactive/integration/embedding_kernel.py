@@ -199,6 +199,12 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         )
         self._num_features = int(self._feature_start.shape[0])
         self._feature_start_device = torch.from_numpy(self._feature_start).to(self._device)
+        # Per feature, its own table's rows: on the device planner ids are checked against
+        # them there (the input dist's validator runs only for host ids). One table needs
+        # no such check: the store's own bounds are that table's.
+        feature_rows = [seg.num_rows for seg, t in zip(self.store.segments, tables) for _ in range(t.num_features())]
+        self._feature_rows_device = (torch.tensor(feature_rows, dtype=torch.int64).to(self._device)
+                                     if self._on_device and len(self.store.segments) > 1 else None)
         self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
@@ -411,7 +417,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         the first row of its feature's table, the feature found from the KJT's offsets (one
         ``searchsorted``, no host read). Unique rows are left to the device planner."""
         values, offsets, stride = features.values(), features.offsets(), features.stride()
-        rows = device_store_rows(values, offsets, stride, self._feature_start, self._feature_start_device)
+        rows = device_store_rows(values, offsets, stride, self._feature_start, self._feature_start_device,
+                                 self._feature_rows_device)
         return PreparedBatch(rows, None, offsets, False, stride, int(values.shape[0]),  # type: ignore[arg-type]
                              features.weights_or_none(), False)
 
@@ -453,7 +460,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         bad = store.bad_ids.poll()
         if bad:
             raise IdOutOfRangeError(
-                f"tables {self.table_names()}: {bad} id(s) of a recent batch were outside the tables' rows "
+                f"tables {self.table_names()}: {bad} id(s) of a recent batch were outside their own table's rows "
                 f"(ids must lie in [0, num_embeddings) of their table); they were looked up from a scratch row and trained no real row. "
                 f"On CUDA ids are checked on the device and reported at the next batch; run with the sharder's "
                 f"planner='host' to have them named before the all-to-all"
@@ -583,20 +590,31 @@ def _group_host_tier(config: GroupedEmbeddingConfig, buffer: torch.Tensor, views
 
 
 def device_store_rows(values: torch.Tensor, offsets: torch.Tensor, stride: int, feature_start: np.ndarray,
-                      feature_start_device: torch.Tensor) -> torch.Tensor:
+                      feature_start_device: torch.Tensor, feature_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``store_rows`` on the ids' own device with no host read: the feature of each id comes
     from the KJT's offsets (``offsets[f * stride]`` is where feature f's ids start: one
     ``searchsorted``), not from its lengths per key. ``feature_start`` is the host copy of
-    ``feature_start_device``, read only for its (host-known) values."""
+    ``feature_start_device``, read only for its (host-known) values.
+
+    ``feature_rows`` (per feature, on the device: the rows of its own table) checks each id
+    against its own table, not only the group's row space: an id outside it comes out as -1,
+    which the store counts in ``bad_ids`` and never looks up (without it, id 150 of a
+    100-row table would read the next table's row 50)."""
     rows = values.to(torch.int64)
     num_features = feature_start.shape[0]
-    if num_features > 1 and bool(feature_start.any()):
+    feature: Optional[torch.Tensor] = None
+    if num_features > 1 and (feature_rows is not None or bool(feature_start.any())):
         starts = offsets.index_select(0, torch.arange(stride, num_features * stride, stride, device=offsets.device))
         position = torch.arange(rows.shape[0], device=rows.device, dtype=starts.dtype)
         feature = torch.searchsorted(starts, position, right=True)
-        rows = rows + feature_start_device.index_select(0, feature)
+        if bool(feature_start.any()):
+            rows = rows + feature_start_device.index_select(0, feature)
     elif num_features == 1 and feature_start[0]:
         rows = rows + int(feature_start[0])
+    if feature_rows is not None and num_features:
+        local = values.to(torch.int64)
+        limit = feature_rows.index_select(0, feature) if feature is not None else feature_rows.narrow(0, 0, 1)
+        rows = torch.where((local < 0) | (local >= limit), -1, rows)
     return rows
 
 
