@@ -198,12 +198,12 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             dtype=np.int64,
         )
         self._num_features = int(self._feature_start.shape[0])
-        self._feature_start_device = torch.from_numpy(self._feature_start).to(self._device)
+        self._feature_start_device = torch.tensor(self._feature_start.tolist(), dtype=torch.int64, device=self._device)
         # Per feature, its own table's rows: on the device planner ids are checked against
         # them there (the input dist's validator runs only for host ids). One table needs
         # no such check: the store's own bounds are that table's.
         feature_rows = [seg.num_rows for seg, t in zip(self.store.segments, tables) for _ in range(t.num_features())]
-        self._feature_rows_device = (torch.tensor(feature_rows, dtype=torch.int64).to(self._device)
+        self._feature_rows_device = (torch.tensor(feature_rows, dtype=torch.int64, device=self._device)
                                      if self._on_device and len(self.store.segments) > 1 else None)
         self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
         # Connects our custom autograd function to the graph; never receives a gradient.
