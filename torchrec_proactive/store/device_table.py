@@ -25,13 +25,23 @@ What the host still decides, without reading the device:
   batch's own lookup, which is on the critical path anyway; that path reads the plan's
   sizes on the host (a synchronisation, counted in ``stats.host_syncs``).
 
-Victims are exact LRU (LFU: frequency, then recency): one sort of the per-slot rank per
-plan, pinned and permanent slots ranked last. Sizes of a plan (unique rows, fills,
+Victims: sampled LRU (LFU: frequency, then recency) in a window of ``pinned_bound + n``
+slots that a clock hand moves ``n`` slots per plan (``_window``), pinned and permanent slots
+ranked last. Why a window and not exact LRU or FBGEMM's sets: an exact LRU sorts every slot
+on every plan (O(cache): several ms per group per step at 50M slots), where the window's
+size is known on the host, follows the ids in flight and never the cache, and still
+guarantees a victim for every miss of a batch that ``surely_fits`` (so no host read decides
+anything). FBGEMM's set-associative cache (32 ways, a row hashed to its set) is also O(ids)
+but can run out of ways in one set while the cache has room, which here would mean an
+overflow (a host read) at any step; the window cannot. The host planner (``SlotRanking``)
+samples the same way. Which slot a row gets never changes the math, only the hit rate:
+results stay bit-identical across cache sizes (``tests/test_device_store.py``), and the
+costs per step are the same at 1M and 10M slots (``tests/test_device_cost.py``). Sizes of a plan (unique rows, fills,
 write-backs) reach the host through the fetch worker's read-back (``resolve_sizes``), where
 waiting costs the training thread nothing.
 
 Bookkeeping is owned by the stream that plans, looks up and updates (the compute stream);
-see ``fetch/staged.py`` for how bytes move between the host tier and the cache.
+see ``fetch/cuda.py`` for how bytes move between the host tier and the cache.
 """
 
 from __future__ import annotations
@@ -147,6 +157,7 @@ class DeviceTieredTable(TieredTable):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self._tick = 0
+        self._hand = 0  # where the next plan's victim window starts (see _window)
         self._num_permanent = 0 if self._hot_rows is None else int(self._hot_rows.numel())
         self._bounds: Dict[int, int] = {}  # id(plan) -> rows the host counts it as pinning
         self.host_syncs = 0  # overflow plans read their sizes on the host
@@ -225,14 +236,16 @@ class DeviceTieredTable(TieredTable):
         if tracked:
             # Pin the hits first, so that the victim search cannot choose them.
             self.d_pins.index_add_(0, torch.where(miss, self.trash, slots), torch.ones_like(slots))
-        # Victims: every slot ranked (blocked last), lowest first; miss j takes the j-th.
-        k = min(n, S + 1)
-        ranked = torch.argsort(self._rank(), stable=True).narrow(0, 0, k)
-        evictable = (self.d_pins == 0) & self.d_blocked.logical_not()
-        num_evictable = evictable.sum()
+        # Victims: the slots of this plan's window ranked (blocked last), lowest first;
+        # miss j takes the j-th. Never a pass over the whole cache (see _window).
+        window = self._window(n)
+        w = int(window.shape[0])
+        rank = self._rank(window)
+        ranked = window.index_select(0, torch.argsort(rank, stable=True))
+        num_evictable = (rank < _NEVER).sum()
         miss_rank = torch.cumsum(miss, 0) - 1
-        has_victim = miss & (miss_rank < num_evictable) & (miss_rank < k)
-        victims = torch.where(has_victim, ranked.index_select(0, miss_rank.clamp(0, k - 1)),
+        has_victim = miss & (miss_rank < num_evictable)
+        victims = torch.where(has_victim, ranked.index_select(0, miss_rank.clamp(0, w - 1)),
                               torch.full_like(slots, self.trash))
         old_rows = self.d_slot_to_row.index_select(0, victims)
         evicts = has_victim & (old_rows >= 0)
@@ -305,14 +318,37 @@ class DeviceTieredTable(TieredTable):
                 f"table on one stream (TrainPipelineSemiSync and PrefetchTrainPipelineSparseDist use side streams)"
             )
 
-    def _rank(self) -> torch.Tensor:
-        """Per slot, its eviction rank (lower goes first); pinned, permanent and trash last.
-        Never-used slots have ``last_used == 0`` and go first."""
-        rank = self.d_last_used
+    def _window(self, n: int) -> torch.Tensor:
+        """The slots a plan of ``n`` ids searches for victims: ``pinned_bound + n`` of the
+        evictable range ``[num_permanent, num_slots)`` from a clock hand that moves ``n``
+        slots per plan (sampled LRU/LFU, as the host planner's ``SlotRanking``; FBGEMM's
+        cache is set-associative for the same reason). Its size is known on the host and
+        follows the ids in flight, never the cache: a plan costs O(ids).
+
+        Why it always holds a victim for every miss of a batch that ``surely_fits``: at most
+        ``pinned_bound`` of its slots are pinned by other batches and at most ``n - misses``
+        by this batch's own hits, so ``pinned_bound + n`` slots leave ``misses`` evictable.
+        (Permanent slots are the first ``num_permanent``, outside the range.)"""
+        start, span = self._num_permanent, self.num_slots - self._num_permanent
+        w = min(span, self.pinned_bound + n)
+        if w <= 0:  # nothing evictable: one blocked candidate (the trash slot) keeps shapes valid
+            return torch.full((1,), self.trash, dtype=torch.int64, device=self.device)
+        window = torch.arange(self._hand, self._hand + w, dtype=torch.int64, device=self.device)
+        if self._hand + w > span:
+            window = torch.remainder(window, span)
+        self._hand = (self._hand + n) % span
+        return window + start if start else window
+
+    def _rank(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per slot of ``slots``, its eviction rank (lower goes first); pinned, permanent and
+        trash slots rank ``_NEVER``. Never-used slots have ``last_used == 0`` and go first."""
+        rank = self.d_last_used.index_select(0, slots)
         if self.d_row_freq is not None:
-            freq = self.d_row_freq.index_select(0, self.d_slot_to_row.clamp(min=0))
-            rank = torch.where(self.d_slot_to_row >= 0, (freq << 32) + rank, rank)
-        return torch.where((self.d_pins > 0) | self.d_blocked, _NEVER, rank)
+            rows = self.d_slot_to_row.index_select(0, slots)
+            freq = self.d_row_freq.index_select(0, rows.clamp(min=0))
+            rank = torch.where(rows >= 0, (freq << 32) + rank, rank)
+        blocked = (self.d_pins.index_select(0, slots) > 0) | self.d_blocked.index_select(0, slots)
+        return torch.where(blocked, _NEVER, rank)
 
     def _plan_preload(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Maps the rows resident from the start (every row of a full cache, or the hot rows);
