@@ -55,6 +55,7 @@ from ..store import (
     unique_rows,
     pooled_lookup_group,
 )
+from ..store.row_space import device_store_rows  # noqa: F401 - (re-exported: tests import it here)
 from .options import ProactiveOptions
 
 
@@ -587,35 +588,6 @@ def _group_host_tier(config: GroupedEmbeddingConfig, buffer: torch.Tensor, views
         expected += v.numel()
     total = sum(int(v.shape[0]) for v in views)
     return buffer[start: start + total * dim].view(total, dim)
-
-
-def device_store_rows(values: torch.Tensor, offsets: torch.Tensor, stride: int, feature_start: np.ndarray,
-                      feature_start_device: torch.Tensor, feature_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``store_rows`` on the ids' own device with no host read: the feature of each id comes
-    from the KJT's offsets (``offsets[f * stride]`` is where feature f's ids start: one
-    ``searchsorted``), not from its lengths per key. ``feature_start`` is the host copy of
-    ``feature_start_device``, read only for its (host-known) values.
-
-    ``feature_rows`` (per feature, on the device: the rows of its own table) checks each id
-    against its own table, not only the group's row space: an id outside it comes out as -1,
-    which the store counts in ``bad_ids`` and never looks up (without it, id 150 of a
-    100-row table would read the next table's row 50)."""
-    rows = values.to(torch.int64)
-    num_features = feature_start.shape[0]
-    feature: Optional[torch.Tensor] = None
-    if num_features > 1 and (feature_rows is not None or bool(feature_start.any())):
-        starts = offsets.index_select(0, torch.arange(stride, num_features * stride, stride, device=offsets.device))
-        position = torch.arange(rows.shape[0], device=rows.device, dtype=starts.dtype)
-        feature = torch.searchsorted(starts, position, right=True)
-        if bool(feature_start.any()):
-            rows = rows + feature_start_device.index_select(0, feature)
-    elif num_features == 1 and feature_start[0]:
-        rows = rows + int(feature_start[0])
-    if feature_rows is not None and num_features:
-        local = values.to(torch.int64)
-        limit = feature_rows.index_select(0, feature) if feature is not None else feature_rows.narrow(0, 0, 1)
-        rows = torch.where((local < 0) | (local >= limit), -1, rows)
-    return rows
 
 
 def store_rows(ids: np.ndarray, feature_start: np.ndarray, stride: int, per_feature: List[int],
