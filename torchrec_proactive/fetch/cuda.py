@@ -48,8 +48,9 @@ A failed ticket (an exception in W)::
     3. M  the next ticket plans against a store in which every mapped row is in its slot,
           so it is correct whatever t left half-copied in the slots it had claimed.
 
-Stall on the GPU timeline (not host enqueue time): ``complete`` records E_wait0 on the
-waiting stream before ``wait_event(E_done)`` and E_wait1 after it; ``E_wait0 ->
+Stall on the GPU timeline (not host enqueue time): ``begin_wait`` records E_wait0 on the
+waiting stream before the host blocks for the ticket, ``complete`` records E_wait1 after
+``wait_event(E_done)``; ``E_wait0 ->
 E_wait1`` is how long that stream sat blocked on the copy. Pairs are read once both have
 completed (no synchronisation), summed in ``gpu_stall_ms``.
 
@@ -123,6 +124,7 @@ class CudaStreamTransport(Transport):
         self._last_h2d: Optional[torch.cuda.Event] = None
         self._stall_events: Deque[Tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self.gpu_stall_ms = 0.0
+        self._wait_started: Dict[int, Any] = {}  # ticket seq -> E_wait0 (see begin_wait)
 
     def prepare(self, ticket: Ticket) -> None:
         # Recorded on the stream that owns the cache (a DeviceTieredTable's planning stream),
@@ -153,11 +155,19 @@ class CudaStreamTransport(Transport):
                 plan.stage = "done"
             ticket.device_event = stream.record_event()
 
+    def begin_wait(self, ticket: Ticket) -> None:
+        # The stall starts where the waiting stream asks for the rows, before the host blocks
+        # on the worker (an event recorded after that would miss the time the host sat there).
+        before = torch.cuda.current_stream(self.device).record_event(torch.cuda.Event(enable_timing=True))
+        self._wait_started.setdefault(ticket.seq, before)
+
     def complete(self, ticket: Ticket) -> None:
+        before = self._wait_started.pop(ticket.seq, None)
         if ticket.device_event is None:
             return
         stream = torch.cuda.current_stream(self.device)
-        before = stream.record_event(torch.cuda.Event(enable_timing=True))
+        if before is None:
+            before = stream.record_event(torch.cuda.Event(enable_timing=True))
         stream.wait_event(ticket.device_event)
         after = stream.record_event(torch.cuda.Event(enable_timing=True))
         for plan in ticket.plans:
