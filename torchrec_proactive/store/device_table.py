@@ -9,10 +9,13 @@ tensor ops whose shapes depend only on the number of ids (``fixed_shape.py``). T
 training thread enqueues them and moves on; nothing here reads device memory on the host
 (``tests/test_device_store.py`` runs it on fake CUDA tensors under ``sync_detector``).
 
-Layout. Slot ``trash = num_slots`` and row ``sentinel = num_rows`` are one extra entry of
-every per-slot and per-row array: padding entries of a plan map to them, so every scatter
-can run at full length. They are bound to each other forever and never evicted. The cache
-has ``num_slots + 1`` rows for the same reason.
+Layout. Slots ``trash + j = num_slots + j`` and rows ``sentinel + j = num_rows + j``
+(``j < SPREAD``, ``fixed_shape.py``) are extra entries of every per-slot and per-row array:
+padding entry ``i`` of a plan maps to the pair ``j = i % SPREAD``, so every scatter runs at
+full length with no mask, and no single address absorbs the padding (at 2M Zipf ids,
+~1.5M padding entries would otherwise contend for one slot: on a GPU, atomics on one
+address, or one row rewritten by every padding thread). The pairs are bound to each other
+forever and never evicted; the cache has ``num_slots + SPREAD`` rows for the same reason.
 
 What the host still decides, without reading the device:
 
@@ -54,7 +57,7 @@ import torch
 from .errors import CacheCapacityError, InvalidInputError, StoreStateError
 from .async_count import AsyncCount
 from .eviction import EvictionPolicy
-from .fixed_shape import compact, padded_unique
+from .fixed_shape import SPREAD, compact, padded_unique, spread
 from .optimizers import update_rows
 from .tiered_table import TieredTable
 
@@ -64,7 +67,8 @@ _NEVER = torch.iinfo(torch.int64).max
 @dataclass
 class DeviceFetchPlan:
     """One batch's plan on a :class:`DeviceTieredTable`; every tensor lives on the device
-    and has the batch's id count ``n`` as its length (padding: sentinel row, trash slot).
+    and has the batch's id count ``n`` as its length (padding entry ``i``: sentinel row and
+    trash slot ``i % SPREAD``).
 
     ``rows[:num_unique]`` are the sorted unique rows, ``inverse`` maps each id to its row,
     ``slots[i]`` is where ``rows[i]`` is read at lookup. ``fill_*`` and ``writeback_*`` are
@@ -104,7 +108,7 @@ class DeviceFetchPlan:
     @property
     def overflow_base(self) -> int:
         """The first slot id that means "overflow row" rather than "cache slot"."""
-        return self.table.num_slots + 1
+        return self.table.num_slots + SPREAD
 
     def lookup_weight(self) -> torch.Tensor:
         return self.table.cache_weight
@@ -170,28 +174,39 @@ class DeviceTieredTable(TieredTable):
         self.owner_stream: Optional[object] = None  # see _check_owner
 
     def _allocate_cache(self, rows: int) -> None:
-        # One more cache row (the trash slot's), so padded scatters need no mask.
-        super()._allocate_cache(rows + 1)
+        # SPREAD more cache rows (the trash slots), so padded scatters need no mask.
+        super()._allocate_cache(rows + SPREAD)
 
     def _allocate_bookkeeping(self) -> None:
         S, R, dev = self.num_slots, self.num_rows, self.device
         self.trash, self.sentinel = S, R
-        self.d_row_to_slot = torch.full((R + 1,), -1, dtype=torch.int64, device=dev)
-        self.d_slot_to_row = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
-        self.d_pins = torch.zeros(S + 1, dtype=torch.int64, device=dev)
-        self.d_dirty = torch.zeros(S + 1, dtype=torch.bool, device=dev)
-        self.d_blocked = torch.zeros(S + 1, dtype=torch.bool, device=dev)  # permanent, and trash
-        self.d_last_used = torch.zeros(S + 1, dtype=torch.int64, device=dev)
-        self.d_row_freq = (torch.zeros(R + 1, dtype=torch.int64, device=dev)
+        self.d_row_to_slot = torch.full((R + SPREAD,), -1, dtype=torch.int64, device=dev)
+        self.d_slot_to_row = torch.full((S + SPREAD,), -1, dtype=torch.int64, device=dev)
+        self.d_pins = torch.zeros(S + SPREAD, dtype=torch.int64, device=dev)
+        self.d_dirty = torch.zeros(S + SPREAD, dtype=torch.bool, device=dev)
+        self.d_blocked = torch.zeros(S + SPREAD, dtype=torch.bool, device=dev)  # permanent, and trash
+        self.d_last_used = torch.zeros(S + SPREAD, dtype=torch.int64, device=dev)
+        self.d_row_freq = (torch.zeros(R + SPREAD, dtype=torch.int64, device=dev)
                            if self.policy is EvictionPolicy.LFU else None)
+        self._spread_buffer = torch.empty(0, dtype=torch.int64, device=dev)
         self._bind_trash()
 
     def _bind_trash(self) -> None:
-        # (narrow + fill_, not item assignment: see sync_detector on fake CUDA tensors)
-        self.d_row_to_slot.narrow(0, self.sentinel, 1).fill_(self.trash)
-        self.d_slot_to_row.narrow(0, self.trash, 1).fill_(self.sentinel)
-        self.d_blocked.narrow(0, self.trash, 1).fill_(True)
-        self.d_dirty.narrow(0, self.trash, 1).fill_(False)
+        # (narrow + copy_/fill_, not item assignment: see sync_detector on fake CUDA tensors)
+        j = torch.arange(SPREAD, dtype=torch.int64, device=self.device)
+        rows, slots = j + self.sentinel, j + self.trash
+        self.d_row_to_slot.index_copy_(0, rows, slots)
+        self.d_slot_to_row.index_copy_(0, slots, rows)
+        self.d_blocked.narrow(0, self.trash, SPREAD).fill_(True)
+        self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
+
+    def _spread(self, n: int) -> torch.Tensor:
+        """``arange(n) % SPREAD`` on the device, kept (grown when a batch is longer, narrowed
+        otherwise): padding entry ``i`` of a plan is sentinel row ``sentinel + spread[i]``,
+        read from and written to trash slot ``trash + spread[i]``."""
+        if self._spread_buffer.shape[0] < n:
+            self._spread_buffer = spread(max(n, 2 * self._spread_buffer.shape[0]), self.device)
+        return self._spread_buffer.narrow(0, 0, n)
 
     # ------------------------------------------------------------------ planning
     @property
@@ -229,13 +244,15 @@ class DeviceTieredTable(TieredTable):
             bad = (ids < 0) | (ids >= self.num_rows)
             self.bad_ids.add(bad.sum())
             ids = torch.where(bad, self.sentinel, ids)
-        rows, inverse, num_unique = padded_unique(ids, self.sentinel)
+        spare = self._spread(n)
+        pad_rows, pad_slots = spare + self.sentinel, spare + self.trash  # (paired: row R + j <-> slot S + j)
+        rows, inverse, num_unique = padded_unique(ids, pad_rows, spare)
         slots = self.d_row_to_slot.index_select(0, rows)
         miss = slots < 0
         tracked = not self.holds_every_row
         if tracked:
             # Pin the hits first, so that the victim search cannot choose them.
-            self.d_pins.index_add_(0, torch.where(miss, self.trash, slots), torch.ones_like(slots))
+            self.d_pins.index_add_(0, torch.where(miss, pad_slots, slots), torch.ones_like(slots))
         # Victims: the slots of this plan's window ranked (blocked last), lowest first;
         # miss j takes the j-th. Never a pass over the whole cache (see _window).
         window = self._window(n)
@@ -245,17 +262,16 @@ class DeviceTieredTable(TieredTable):
         num_evictable = (rank < _NEVER).sum()
         miss_rank = torch.cumsum(miss, 0) - 1
         has_victim = miss & (miss_rank < num_evictable)
-        victims = torch.where(has_victim, ranked.index_select(0, miss_rank.clamp(0, w - 1)),
-                              torch.full_like(slots, self.trash))
+        victims = torch.where(has_victim, ranked.index_select(0, miss_rank.clamp(0, w - 1)), pad_slots)
         old_rows = self.d_slot_to_row.index_select(0, victims)
         evicts = has_victim & (old_rows >= 0)
         writes_back = evicts & self.d_dirty.index_select(0, victims)
         # Bookkeeping: the evicted rows leave, the missing rows take their slots.
-        sentinel = torch.full_like(rows, self.sentinel)
-        trash = torch.full_like(slots, self.trash)
-        self.d_row_to_slot.index_copy_(0, torch.where(evicts, old_rows, sentinel), torch.where(evicts, -1, trash))
-        self.d_row_to_slot.index_copy_(0, torch.where(has_victim, rows, sentinel), victims)
-        self.d_slot_to_row.index_copy_(0, victims, torch.where(has_victim, rows, sentinel))
+        # (Entries with nothing to do write their own sentinel/trash pair: spread, and the
+        # pair is what the binding holds anyway.)
+        self.d_row_to_slot.index_copy_(0, torch.where(evicts, old_rows, pad_rows), torch.where(evicts, -1, pad_slots))
+        self.d_row_to_slot.index_copy_(0, torch.where(has_victim, rows, pad_rows), victims)
+        self.d_slot_to_row.index_copy_(0, victims, torch.where(has_victim, rows, pad_rows))
         self.d_dirty.index_fill_(0, victims, False)  # (trash is never dirty: harmless)
         if tracked:
             self.d_pins.index_add_(0, victims, has_victim.to(torch.int64))
@@ -264,20 +280,20 @@ class DeviceTieredTable(TieredTable):
         overflow_rows = None
         if overflow:
             over_rank = torch.cumsum(overflows, 0) - 1
-            slots = torch.where(overflows, S + 1 + over_rank, slots)
-            (overflow_rows, num_overflow) = compact(overflows, self.sentinel, rows)
+            slots = torch.where(overflows, S + SPREAD + over_rank, slots)
+            (overflow_rows, num_overflow) = compact(overflows, self.sentinel, rows, spare=spare)
         else:
             num_overflow = torch.zeros((), dtype=torch.int64, device=self.device)
         # Recency (and frequency) of the rows read from the cache.
         self._tick += 1
-        cached = torch.where(overflows, self.trash, slots)
+        cached = torch.where(overflows, pad_slots, slots)
         self.d_last_used.index_fill_(0, cached, self._tick)
         if self.d_row_freq is not None:
-            self.d_row_freq.index_add_(0, torch.where(overflows, self.sentinel, rows), torch.ones_like(rows))
-        fill_rows, fill_slots, num_fills = compact(has_victim, self.sentinel, rows, victims)
-        fill_slots = torch.where(fill_rows == self.sentinel, self.trash, fill_slots)
-        wb_rows, wb_slots, num_wb = compact(writes_back, self.sentinel, old_rows, victims)
-        wb_slots = torch.where(wb_rows == self.sentinel, self.trash, wb_slots)
+            self.d_row_freq.index_add_(0, torch.where(overflows, pad_rows, rows), torch.ones_like(rows))
+        fill_rows, fill_slots, num_fills = compact(has_victim, self.sentinel, rows, victims, spare=spare)
+        fill_slots = torch.where(fill_rows == self.sentinel, pad_slots, fill_slots)
+        wb_rows, wb_slots, num_wb = compact(writes_back, self.sentinel, old_rows, victims, spare=spare)
+        wb_slots = torch.where(wb_rows == self.sentinel, pad_slots, wb_slots)
         num_preloaded = 0
         if preload is not None:
             p_rows, p_slots = preload
@@ -428,20 +444,26 @@ class DeviceTieredTable(TieredTable):
         class); fixed-shape, on the device."""
         if plan.stage == "done":
             return
-        trash, sentinel = self.trash, self.sentinel
-        filled = plan.fill_rows != sentinel
+        sentinel = self.sentinel
+        spare = self._spread(int(plan.fill_rows.shape[0]))
+        pad_rows, pad_slots = spare + sentinel, spare + self.trash
+        filled = plan.fill_rows < sentinel
         mapped = filled & (self.d_row_to_slot.index_select(0, plan.fill_rows) == plan.fill_slots)
-        self.d_row_to_slot.index_copy_(0, torch.where(mapped, plan.fill_rows, sentinel),
-                                       torch.where(mapped, -1, torch.full_like(plan.fill_slots, trash)))
-        gone = torch.where(mapped, plan.fill_slots, trash)
-        self.d_slot_to_row.index_copy_(0, gone, torch.where(mapped, -1, torch.full_like(gone, sentinel)))
+        self.d_row_to_slot.index_copy_(0, torch.where(mapped, plan.fill_rows, pad_rows),
+                                       torch.where(mapped, -1, pad_slots))
+        gone = torch.where(mapped, plan.fill_slots, pad_slots)
+        self.d_slot_to_row.index_copy_(0, gone, torch.where(mapped, -1, pad_rows))
         self.d_blocked.index_fill_(0, gone, False)
         self._bind_trash()
         if plan.stage == "planned":
-            wb = plan.writeback_rows != sentinel
-            self.d_slot_to_row.index_copy_(0, plan.writeback_slots, torch.where(wb, plan.writeback_rows, sentinel))
-            self.d_row_to_slot.index_copy_(0, plan.writeback_rows, torch.where(wb, plan.writeback_slots, trash))
-            self.d_dirty.index_fill_(0, plan.writeback_slots, True)
+            spare = self._spread(int(plan.writeback_rows.shape[0]))
+            pad_rows, pad_slots = spare + sentinel, spare + self.trash
+            wb = plan.writeback_rows < sentinel
+            wb_rows = torch.where(wb, plan.writeback_rows, pad_rows)
+            wb_slots = torch.where(wb, plan.writeback_slots, pad_slots)
+            self.d_slot_to_row.index_copy_(0, wb_slots, wb_rows)
+            self.d_row_to_slot.index_copy_(0, wb_rows, wb_slots)
+            self.d_dirty.index_fill_(0, wb_slots, True)
             self._bind_trash()
         if plan.preload:
             self._preload_pending = True
@@ -466,7 +488,7 @@ class DeviceTieredTable(TieredTable):
             self._masked_update(plan.slots, row_grads, step, ok, plan.rows)
         else:  # overflow (its sizes were read when it was planned): the exact host path
             in_cache = plan.slots < plan.overflow_base
-            cached = torch.where(in_cache, plan.slots, self.trash)
+            cached = torch.where(in_cache, plan.slots, self._spread(plan.n) + self.trash)
             self._masked_update(cached, row_grads * in_cache.unsqueeze(1), step, ok, plan.rows)
             over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)  # type: ignore[union-attr]
             ranks = (plan.slots - plan.overflow_base).clamp(min=0)
@@ -474,8 +496,9 @@ class DeviceTieredTable(TieredTable):
             grads = row_grads.index_select(0, order)
             if ok is None or bool(ok):
                 self._update_host(over.to("cpu"), grads, step)
-        self.d_dirty.index_fill_(0, torch.where(plan.slots < self.num_slots, plan.slots, self.trash), True)
-        self.d_dirty.narrow(0, self.trash, 1).fill_(False)
+        self.d_dirty.index_fill_(0, torch.where(plan.slots < self.num_slots, plan.slots,
+                                                self._spread(plan.n) + self.trash), True)
+        self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
         self.stats.updates += 1
         self.release(plan)
 
@@ -539,7 +562,7 @@ class DeviceTieredTable(TieredTable):
         plan.released = True
         self._bounds.pop(id(plan), None)
         if not self.holds_every_row:
-            cached = torch.where(plan.slots < self.num_slots, plan.slots, self.trash)
+            cached = torch.where(plan.slots < self.num_slots, plan.slots, self._spread(plan.n) + self.trash)
             self.d_pins.index_add_(0, cached, torch.full_like(cached, -1))
         self._in_flight -= 1
 
@@ -615,8 +638,9 @@ class DeviceTieredTable(TieredTable):
         pins = self.d_pins.narrow(0, 0, self.num_slots).cpu()
         dirty = self.d_dirty.narrow(0, 0, self.num_slots).cpu()
         problems = []
-        if int(s2r[self.trash]) != self.sentinel or int(r2s[self.sentinel]) != self.trash:
-            problems.append("the trash slot and the sentinel row came apart")
+        j = torch.arange(SPREAD)
+        if not (torch.equal(s2r[self.trash:], j + self.sentinel) and torch.equal(r2s[self.sentinel:], j + self.trash)):
+            problems.append("the trash slots and the sentinel rows came apart")
         occ = torch.nonzero(s2r[: self.num_slots] >= 0).flatten()
         rows = s2r[occ]
         if rows.numel() != torch.unique(rows).numel():

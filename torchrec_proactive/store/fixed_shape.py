@@ -20,43 +20,65 @@ import torch
 import torch.nn.functional as F
 
 
-def padded_unique(values: torch.Tensor, pad: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+#: Spare positions that the entries a fixed-shape scatter must drop are spread over
+#: (entry ``i`` goes to spare ``i % SPREAD``): on a GPU, entries sent to one address contend
+#: for it (atomics, or one row rewritten by many threads), and padding is most of a plan at
+#: Zipf batch sizes (2M ids, 22% unique). ``SPREAD`` spares cap that at ``n / SPREAD`` each.
+SPREAD = 1024
+
+
+def spread(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n) % SPREAD`` (int64): which spare position entry ``i`` uses."""
+    return torch.remainder(torch.arange(n, dtype=torch.int64, device=device), SPREAD)
+
+
+def padded_unique(values: torch.Tensor, pad: torch.Tensor | int,
+                  spare: torch.Tensor | None = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.unique(values, sorted=True, return_inverse=True)`` padded to ``len(values)``.
 
     Returns ``(unique, inverse, count)``: ``unique[:count]`` are the sorted distinct values
-    and ``unique[count:] == pad``; ``inverse[i]`` is the index of ``values[i]`` in ``unique``.
-    One sort and a cumulative sum (FBGEMM's ``lru_cache_find_uncached`` does the same).
+    and ``unique[count:]`` the matching entries of ``pad`` (an int, or a tensor as long as
+    ``values``); ``inverse[i]`` is the index of ``values[i]`` in ``unique``. One sort and a
+    cumulative sum (FBGEMM's ``lru_cache_find_uncached`` does the same). Only the first copy
+    of a value is written (the others go to spread spare positions: ``spare``, default
+    ``spread(n)``), so a hot value's duplicates do not all write one place.
     """
     n = values.shape[0]
+    device = values.device
     ordered, order = torch.sort(values, stable=True)
-    first = torch.ones(n, dtype=torch.bool, device=values.device)
+    first = torch.ones(n, dtype=torch.bool, device=device)
     if n > 1:  # (narrow, not slicing: see sync_detector on fake CUDA tensors)
         torch.ne(ordered.narrow(0, 1, n - 1), ordered.narrow(0, 0, n - 1), out=first.narrow(0, 1, n - 1))
     index_of_sorted = torch.cumsum(first, 0) - 1  # int64
-    inverse = torch.empty(n, dtype=torch.int64, device=values.device)
+    inverse = torch.empty(n, dtype=torch.int64, device=device)
     inverse.index_copy_(0, order, index_of_sorted)
-    unique = torch.full((n + 1,), pad, dtype=values.dtype, device=values.device)
-    # Duplicates write the same value to the same place, so the result is deterministic.
-    unique.index_copy_(0, index_of_sorted, ordered)
+    if isinstance(pad, torch.Tensor):
+        unique = torch.cat([pad.to(values.dtype), pad.new_empty(SPREAD, dtype=values.dtype)])
+    else:
+        unique = torch.full((n + SPREAD,), pad, dtype=values.dtype, device=device)
+    spare = spread(n, device) if spare is None else spare
+    unique.index_copy_(0, torch.where(first, index_of_sorted, spare + n), ordered)
     count = first.sum()
     return unique.narrow(0, 0, n), inverse, count
 
 
-def compact(mask: torch.Tensor, fill: int, *values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def compact(mask: torch.Tensor, fill: int, *values: torch.Tensor,
+            spare: torch.Tensor | None = None) -> Tuple[torch.Tensor, ...]:
     """The entries of each of ``values`` where ``mask`` holds, moved to the front in order,
     the rest set to ``fill``; and their number (0-d). Same length as the input.
 
     ``values[mask]`` without the data-dependent output size: each kept entry goes to its
-    rank among the kept ones (a cumulative sum), the others to one spare position past the
-    end, which is dropped.
+    rank among the kept ones (a cumulative sum), the others to spare positions past the end
+    (spread: ``spare``, default ``spread(n)``), which are dropped.
     """
     n = mask.shape[0]
     rank = torch.cumsum(mask, 0) - 1
-    target = torch.where(mask, rank, torch.full_like(rank, n))
+    spare = spread(n, mask.device) if spare is None else spare
+    target = torch.where(mask, rank, spare + n)
     out = []
     for v in values:
-        buffer = torch.full((n + 1, *v.shape[1:]), fill, dtype=v.dtype, device=v.device)
-        buffer.index_copy_(0, target, v)  # (several writes land on the spare entry only)
+        buffer = torch.full((n + SPREAD, *v.shape[1:]), fill, dtype=v.dtype, device=v.device)
+        buffer.index_copy_(0, target, v)
         out.append(buffer.narrow(0, 0, n))
     return (*out, mask.sum())
 
