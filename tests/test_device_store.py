@@ -332,3 +332,25 @@ def test_no_address_absorbs_a_plans_padding_or_a_hot_rows_duplicates():
     bound = 2 * -(-n // 1024) + 2
     assert mode.worst and max(mode.worst.values()) <= bound, (mode.worst, bound)
     table.check_invariants(expect_drained=True)
+
+
+@pytest.mark.parametrize("operation", ["release", "rollback", "flush_chunks", "refresh_chunks", "invalidate"])
+def test_every_operation_on_the_cache_checks_its_owner_stream(monkeypatch, operation):
+    """The cache belongs to the stream of its first plan; releasing, rolling back, flushing,
+    refreshing or invalidating it from another stream would race with that stream's kernels.
+    (Streams are stand-ins here: the check is a host-side comparison.)"""
+    from torchrec_proactive.store import StoreStateError
+
+    current = {"stream": "compute"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
+    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=500)
+    tb = plan_device_batch(table, torch.tensor([1, 2, 3]), torch.tensor([0, 3]))
+    table.owner_stream = "compute"  # what the first plan on a CUDA table records
+    monkeypatch.setattr(table, "device", torch.device("cuda"))  # (the check looks at the device type only)
+    current["stream"] = "side"
+    call = {"release": lambda: table.release(tb.plan), "rollback": lambda: table.rollback(tb.plan),
+            "flush_chunks": lambda: table.flush_chunks(), "refresh_chunks": lambda: table.refresh_chunks(),
+            "invalidate": lambda: table.invalidate()}[operation]
+    with pytest.raises(StoreStateError, match="planned on CUDA stream side but its cache belongs to stream compute"):
+        call()

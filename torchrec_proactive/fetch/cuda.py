@@ -199,6 +199,10 @@ class CudaStreamTransport(Transport):
         """The first ``n`` (slots on the device, rows on the host) of a plan's move list, in
         pieces of at most ``CHUNK_BYTES`` of staging; the staging is free for each piece."""
         if isinstance(plan, DeviceFetchPlan):  # lists on the device, sizes resolved in run()
+            # Allocated on the owner stream, read here on the copy stream: a plan rolled back
+            # or released while these copies are queued must not hand their memory back to
+            # the owner stream before the copy stream has read them.
+            slots.record_stream(self.copy_stream)
             slots, rows = slots.narrow(0, 0, n), rows.narrow(0, 0, n).to("cpu")
         else:
             slots = slots.to(self.device, non_blocking=True)

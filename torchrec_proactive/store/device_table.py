@@ -318,15 +318,18 @@ class DeviceTieredTable(TieredTable):
             return 0
         return int((self.d_pins.narrow(0, 0, self.num_slots) > 0).sum())
 
-    def _check_owner(self) -> None:
+    def _check_owner(self, claim: bool = True) -> None:
         """One stream owns the cache and its bookkeeping: the one current at the first plan.
-        Planning, lookups and updates on another stream would race with it (its kernels are
-        ordered only within their stream), so they are refused. A host-side check."""
+        Planning, lookups, updates, releases, rollbacks, flushes, refreshes and
+        invalidations on another stream would race with it (its kernels are ordered only
+        within their stream), so they are refused. A host-side check. ``claim``: the first
+        caller becomes the owner (planning and updates); the others only check an owner."""
         if self.device.type != "cuda" or not torch.cuda.is_available():
             return
         stream = torch.cuda.current_stream(self.device)
         if self.owner_stream is None:
-            self.owner_stream = stream
+            if claim:
+                self.owner_stream = stream
         elif stream != self.owner_stream:
             raise StoreStateError(
                 f"table '{self.name}': planned on CUDA stream {stream} but its cache belongs to stream "
@@ -444,6 +447,7 @@ class DeviceTieredTable(TieredTable):
         class); fixed-shape, on the device."""
         if plan.stage == "done":
             return
+        self._check_owner(claim=False)
         sentinel = self.sentinel
         spare = self._spread(int(plan.fill_rows.shape[0]))
         pad_rows, pad_slots = spare + sentinel, spare + self.trash
@@ -559,6 +563,7 @@ class DeviceTieredTable(TieredTable):
         """Unpins the plan's slots (idempotent; fixed-shape, on the device)."""
         if plan.released:
             return
+        self._check_owner(claim=False)
         plan.released = True
         self._bounds.pop(id(plan), None)
         if not self.holds_every_row:
@@ -580,6 +585,7 @@ class DeviceTieredTable(TieredTable):
     def _whole_cache_plans(self, chunk: int, fills: bool) -> List[DeviceFetchPlan]:
         """One plan per ``chunk`` slots: the occupied slots filled from the host tier
         (``fills``) or the dirty ones written back; either way every slot ends clean."""
+        self._check_owner(claim=False)
         plans = []
         dev, sentinel, trash = self.device, self.sentinel, self.trash
         for start in range(0, self.num_slots, chunk):
@@ -607,6 +613,7 @@ class DeviceTieredTable(TieredTable):
         return bool(self.d_dirty.any())
 
     def invalidate(self) -> None:
+        self._check_owner(claim=False)
         if self.in_flight:
             raise StoreStateError(
                 f"table '{self.name}': cannot invalidate the cache while {self._in_flight} "
