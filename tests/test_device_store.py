@@ -354,3 +354,26 @@ def test_every_operation_on_the_cache_checks_its_owner_stream(monkeypatch, opera
             "invalidate": lambda: table.invalidate()}[operation]
     with pytest.raises(StoreStateError, match="planned on CUDA stream side but its cache belongs to stream compute"):
         call()
+
+
+@pytest.mark.parametrize("policy,per_row", [("lru", 4), ("lfu", 8)])
+def test_per_row_device_maps_cost_four_bytes_each(policy, per_row):
+    """The device maps with an entry per store row (row -> slot; LFU's access counts): int32
+    (slot ids and counts fit), not int64."""
+    from torchrec_proactive.store import EvictionPolicy
+
+    small, large = (DeviceTieredTable("t", torch.randn(rows, DIM), OptimizerConfig(), num_slots=500,
+                                      policy=EvictionPolicy.parse(policy)) for rows in (10_000, 20_000))
+    assert (large.bookkeeping_bytes() - small.bookkeeping_bytes()) / 10_000 == per_row
+
+
+def test_lfu_on_the_device_planner_is_bit_identical_too():
+    from torchrec_proactive.store import EvictionPolicy
+
+    batches = _batches(steps=6)
+    _, ref = _train(TieredTable, ROWS, 0, OptimType.EXACT_ROWWISE_ADAGRAD, batches)
+    for slots, depth in ((400, 0), (400, 2), (30, 1)):
+        lfu = lambda *a, **k: DeviceTieredTable(*a, policy=EvictionPolicy.LFU, **k)  # noqa: E731
+        _, table = _train(lfu, slots, depth, OptimType.EXACT_ROWWISE_ADAGRAD, batches)
+        assert table.d_row_freq is not None and int(table.d_row_freq.sum()) > 0
+        assert torch.equal(table.host_weight, ref.host_weight), (slots, depth)

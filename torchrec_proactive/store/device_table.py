@@ -180,13 +180,16 @@ class DeviceTieredTable(TieredTable):
     def _allocate_bookkeeping(self) -> None:
         S, R, dev = self.num_slots, self.num_rows, self.device
         self.trash, self.sentinel = S, R
-        self.d_row_to_slot = torch.full((R + SPREAD,), -1, dtype=torch.int64, device=dev)
+        # Row -> slot has an entry per store row (the largest map): int32 whenever slot ids
+        # fit, half the device memory of int64 (FBGEMM's cache maps are int32 too).
+        slot_dtype = torch.int32 if S + SPREAD < 2**31 else torch.int64
+        self.d_row_to_slot = torch.full((R + SPREAD,), -1, dtype=slot_dtype, device=dev)
         self.d_slot_to_row = torch.full((S + SPREAD,), -1, dtype=torch.int64, device=dev)
         self.d_pins = torch.zeros(S + SPREAD, dtype=torch.int64, device=dev)
         self.d_dirty = torch.zeros(S + SPREAD, dtype=torch.bool, device=dev)
         self.d_blocked = torch.zeros(S + SPREAD, dtype=torch.bool, device=dev)  # permanent, and trash
         self.d_last_used = torch.zeros(S + SPREAD, dtype=torch.int64, device=dev)
-        self.d_row_freq = (torch.zeros(R + SPREAD, dtype=torch.int64, device=dev)
+        self.d_row_freq = (torch.zeros(R + SPREAD, dtype=torch.int32, device=dev)  # (as the host planner's)
                            if self.policy is EvictionPolicy.LFU else None)
         self._spread_buffer = torch.empty(0, dtype=torch.int64, device=dev)
         self._bind_trash()
@@ -195,7 +198,7 @@ class DeviceTieredTable(TieredTable):
         # (narrow + copy_/fill_, not item assignment: see sync_detector on fake CUDA tensors)
         j = torch.arange(SPREAD, dtype=torch.int64, device=self.device)
         rows, slots = j + self.sentinel, j + self.trash
-        self.d_row_to_slot.index_copy_(0, rows, slots)
+        self.d_row_to_slot.index_copy_(0, rows, slots.to(self.d_row_to_slot.dtype))
         self.d_slot_to_row.index_copy_(0, slots, rows)
         self.d_blocked.narrow(0, self.trash, SPREAD).fill_(True)
         self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
@@ -247,7 +250,7 @@ class DeviceTieredTable(TieredTable):
         spare = self._spread(n)
         pad_rows, pad_slots = spare + self.sentinel, spare + self.trash  # (paired: row R + j <-> slot S + j)
         rows, inverse, num_unique = padded_unique(ids, pad_rows, spare)
-        slots = self.d_row_to_slot.index_select(0, rows)
+        slots = self.d_row_to_slot.index_select(0, rows).to(torch.int64)
         miss = slots < 0
         tracked = not self.holds_every_row
         if tracked:
@@ -269,8 +272,10 @@ class DeviceTieredTable(TieredTable):
         # Bookkeeping: the evicted rows leave, the missing rows take their slots.
         # (Entries with nothing to do write their own sentinel/trash pair: spread, and the
         # pair is what the binding holds anyway.)
-        self.d_row_to_slot.index_copy_(0, torch.where(evicts, old_rows, pad_rows), torch.where(evicts, -1, pad_slots))
-        self.d_row_to_slot.index_copy_(0, torch.where(has_victim, rows, pad_rows), victims)
+        r2s = self.d_row_to_slot.dtype
+        self.d_row_to_slot.index_copy_(0, torch.where(evicts, old_rows, pad_rows),
+                                       torch.where(evicts, -1, pad_slots).to(r2s))
+        self.d_row_to_slot.index_copy_(0, torch.where(has_victim, rows, pad_rows), victims.to(r2s))
         self.d_slot_to_row.index_copy_(0, victims, torch.where(has_victim, rows, pad_rows))
         self.d_dirty.index_fill_(0, victims, False)  # (trash is never dirty: harmless)
         if tracked:
@@ -289,7 +294,7 @@ class DeviceTieredTable(TieredTable):
         cached = torch.where(overflows, pad_slots, slots)
         self.d_last_used.index_fill_(0, cached, self._tick)
         if self.d_row_freq is not None:
-            self.d_row_freq.index_add_(0, torch.where(overflows, pad_rows, rows), torch.ones_like(rows))
+            self.d_row_freq.index_add_(0, torch.where(overflows, pad_rows, rows), torch.ones_like(rows, dtype=torch.int32))
         fill_rows, fill_slots, num_fills = compact(has_victim, self.sentinel, rows, victims, spare=spare)
         fill_slots = torch.where(fill_rows == self.sentinel, pad_slots, fill_slots)
         wb_rows, wb_slots, num_wb = compact(writes_back, self.sentinel, old_rows, victims, spare=spare)
@@ -364,7 +369,7 @@ class DeviceTieredTable(TieredTable):
         rank = self.d_last_used.index_select(0, slots)
         if self.d_row_freq is not None:
             rows = self.d_slot_to_row.index_select(0, slots)
-            freq = self.d_row_freq.index_select(0, rows.clamp(min=0))
+            freq = self.d_row_freq.index_select(0, rows.clamp(min=0)).to(torch.int64)
             rank = torch.where(rows >= 0, (freq << 32) + rank, rank)
         blocked = (self.d_pins.index_select(0, slots) > 0) | self.d_blocked.index_select(0, slots)
         return torch.where(blocked, _NEVER, rank)
@@ -385,7 +390,7 @@ class DeviceTieredTable(TieredTable):
         hot = self._hot_rows.to(dev, non_blocking=True)
         slots = torch.arange(hot.shape[0], dtype=torch.int64, device=dev)
         self.d_slot_to_row.index_copy_(0, slots, hot)
-        self.d_row_to_slot.index_copy_(0, hot, slots)
+        self.d_row_to_slot.index_copy_(0, hot, slots.to(self.d_row_to_slot.dtype))
         self.d_blocked.index_fill_(0, slots, True)
         return hot, slots
 
@@ -454,7 +459,7 @@ class DeviceTieredTable(TieredTable):
         filled = plan.fill_rows < sentinel
         mapped = filled & (self.d_row_to_slot.index_select(0, plan.fill_rows) == plan.fill_slots)
         self.d_row_to_slot.index_copy_(0, torch.where(mapped, plan.fill_rows, pad_rows),
-                                       torch.where(mapped, -1, pad_slots))
+                                       torch.where(mapped, -1, pad_slots).to(self.d_row_to_slot.dtype))
         gone = torch.where(mapped, plan.fill_slots, pad_slots)
         self.d_slot_to_row.index_copy_(0, gone, torch.where(mapped, -1, pad_rows))
         self.d_blocked.index_fill_(0, gone, False)
@@ -466,7 +471,7 @@ class DeviceTieredTable(TieredTable):
             wb_rows = torch.where(wb, plan.writeback_rows, pad_rows)
             wb_slots = torch.where(wb, plan.writeback_slots, pad_slots)
             self.d_slot_to_row.index_copy_(0, wb_slots, wb_rows)
-            self.d_row_to_slot.index_copy_(0, wb_rows, wb_slots)
+            self.d_row_to_slot.index_copy_(0, wb_rows, wb_slots.to(self.d_row_to_slot.dtype))
             self.d_dirty.index_fill_(0, wb_slots, True)
             self._bind_trash()
         if plan.preload:
@@ -641,7 +646,7 @@ class DeviceTieredTable(TieredTable):
         """Reads the device bookkeeping on the host (tests and debug checks only)."""
         self.collect_orphans()
         s2r = self.d_slot_to_row.cpu()
-        r2s = self.d_row_to_slot.cpu()
+        r2s = self.d_row_to_slot.cpu().to(torch.int64)
         pins = self.d_pins.narrow(0, 0, self.num_slots).cpu()
         dirty = self.d_dirty.narrow(0, 0, self.num_slots).cpu()
         problems = []
