@@ -377,3 +377,30 @@ def test_lfu_on_the_device_planner_is_bit_identical_too():
         _, table = _train(lfu, slots, depth, OptimType.EXACT_ROWWISE_ADAGRAD, batches)
         assert table.d_row_freq is not None and int(table.d_row_freq.sum()) > 0
         assert torch.equal(table.host_weight, ref.host_weight), (slots, depth)
+
+
+def test_polling_a_device_count_reuses_one_pinned_buffer(monkeypatch):
+    """The CUDA branch of AsyncCount (events and a pinned read-back) with stand-ins for the
+    two CUDA calls: counts arrive a poll late, and polling allocates one buffer in all."""
+    from torchrec_proactive.store import async_count
+
+    class Event:
+        def __init__(self):
+            self.polls = 0
+
+        def query(self):  # passes at the poll after the one that recorded it
+            self.polls += 1
+            return self.polls > 1
+
+    events = []
+    monkeypatch.setattr(async_count, "_pinned_scalar", lambda: torch.empty((), dtype=torch.int64))
+    monkeypatch.setattr(async_count, "_record_event", lambda device: events.append(Event()) or events[-1])
+    count = async_count.AsyncCount(torch.device("cpu"))
+    count._evented = True  # (what a CUDA device sets)
+    seen = []
+    for step in range(6):
+        count.add(torch.tensor(2))
+        seen.append(count.poll())
+    assert seen[0] == 0 and sum(seen) < 12  # a step or so late ...
+    assert sum(seen) + sum(count.poll() for _ in range(4)) == 12  # ... never lost
+    assert count.allocations == 1 and len(events) >= 3
