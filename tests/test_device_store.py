@@ -404,3 +404,27 @@ def test_polling_a_device_count_reuses_one_pinned_buffer(monkeypatch):
     assert seen[0] == 0 and sum(seen) < 12  # a step or so late ...
     assert sum(seen) + sum(count.poll() for _ in range(4)) == 12  # ... never lost
     assert count.allocations == 1 and len(events) >= 3
+
+
+def test_overflow_rows_are_updated_on_the_tables_device_not_in_the_host_tier(monkeypatch):
+    """An overflowing batch's rows live in the host tier; their update must run with the
+    device's arithmetic (gathered rows, updated by the cache's own ops, written back), never
+    in place on the host tier, whose CPU arithmetic differs on a GPU in the last bits."""
+    from torchrec_proactive.store import device_table
+
+    updated = []
+    real = device_table.update_rows
+
+    def recording(cfg, weight, state, index, grad, step, stochastic_rows=None):
+        updated.append(weight)
+        return real(cfg, weight, state, index, grad, step, stochastic_rows)
+
+    monkeypatch.setattr(device_table, "update_rows", recording)
+    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(OptimType.ADAM), num_slots=30)
+    engine = FetchEngine()
+    tb = plan_device_batch(table, torch.arange(100), torch.arange(101), overflow=True)
+    assert tb.plan.num_overflow > 0
+    engine.run([tb.plan])
+    out = pooled_lookup_group([tb], torch.empty(0, requires_grad=True))[0]
+    out.backward(torch.ones_like(out))
+    assert len(updated) == 2 and not any(w is table.host_weight for w in updated)

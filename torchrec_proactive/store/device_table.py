@@ -502,14 +502,32 @@ class DeviceTieredTable(TieredTable):
             over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)  # type: ignore[union-attr]
             ranks = (plan.slots - plan.overflow_base).clamp(min=0)
             order = torch.argsort(torch.where(in_cache, plan.n, ranks), stable=True).narrow(0, 0, plan.num_overflow)
-            grads = row_grads.index_select(0, order)
-            if ok is None or bool(ok):
-                self._update_host(over.to("cpu"), grads, step)
+            self._update_overflow(over, row_grads.index_select(0, order), step, ok)
         self.d_dirty.index_fill_(0, torch.where(plan.slots < self.num_slots, plan.slots,
                                                 self._spread(plan.n) + self.trash), True)
         self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
         self.stats.updates += 1
         self.release(plan)
+
+    def _update_overflow(self, rows: torch.Tensor, grads: torch.Tensor, step: int,
+                         ok: Optional[torch.Tensor]) -> None:
+        """The fused update of overflow rows (held only in the host tier): gathered onto the
+        device and updated there by the same ops as the cache's rows, then written back. On
+        CUDA the host's arithmetic would differ from the device's in the last bits, so a row
+        would train differently depending on whether it overflowed: the cache size would
+        change results. (The overflow path reads its sizes on the host anyway.)"""
+        host_rows = rows.to("cpu")
+        dev = self.device
+        parts = [p.to(dev, non_blocking=True) for p in self.gather_host(host_rows)]
+        old = dict(zip(["weight", *self.host_state], parts))
+        new = {k: v.clone() for k, v in old.items()}
+        weight = new.pop("weight")
+        local = torch.arange(host_rows.shape[0], device=dev)
+        update_rows(self.optimizer, weight, new, local, grads, step, self._stochastic_rows(rows, dev))
+        new["weight"] = weight
+        for key, host in zip(["weight", *self.host_state], [self.host_weight, *self.host_state.values()]):
+            value = new[key] if ok is None else torch.where(ok, new[key], old[key])
+            host.index_copy_(0, host_rows, value.to("cpu"))
 
     def count_forward(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
         """The base class's rule (the step counter advances on every forward, as FBGEMM's),
