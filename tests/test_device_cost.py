@@ -77,3 +77,38 @@ PLAN_LAUNCH_BOUND = 30  # per group per step; FBGEMM's UVM cache path launches a
 @pytest.mark.xfail(strict=True, reason="issue 30 item 3: ~100 small ATen ops per plan")
 def test_planning_launches_per_group_step_are_bounded(small_and_large):
     assert small_and_large[0]["plan"].launches <= PLAN_LAUNCH_BOUND, small_and_large[0]["plan"].launch_names
+
+
+def test_fp16_stochastic_rounding_touches_few_bytes_per_value():
+    """FBGEMM's CUDA stochastic rounding of an FP16 update (a hash per value, noise added,
+    rounded toward zero): at 2M rows x 128 its temporaries were 8 bytes per value (int64
+    hashes) and it touched ~460 bytes per value; the hash now runs in int32 over the values
+    and as vectors per row and per column."""
+    from torchrec_proactive.store.optimizers import round_rows
+
+    n, dim = 4096, 128
+    counter = CostCounter()
+    with fake_cuda():
+        values = torch.empty(n, dim, device="cuda")
+        rows = torch.empty(n, dtype=torch.int64, device="cuda")
+        with counter, counter.phase("round"):
+            out = round_rows(values, torch.float16, rows, seed=0, step=3)
+    assert out.dtype == torch.float16 and out.shape == (n, dim)
+    cost = counter.phases["round"]
+    assert cost.largest_temporary <= 4 * n * dim, cost.largest_temporary / (n * dim)
+    assert cost.bytes <= 250 * n * dim, cost.bytes / (n * dim)
+
+
+def test_the_int32_hash_gives_the_int64_hashs_bits():
+    from torchrec_proactive.store.optimizers import _mix32, round_rows, rounding_bits, stochastic_round_fp16
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.cat([torch.randint(0, 2**40, (500,), generator=g), torch.arange(50)])
+    x = torch.randn(rows.numel(), 16, generator=g) * 10
+    for seed, step in ((0, 1), (2**31 + 5, 2**33 + 1)):
+        bits = rounding_bits(seed, step, rows, 16)
+        key = int(_mix32(_mix32(torch.tensor(step & 0xFFFFFFFF)) ^ (seed & 0xFFFFFFFF)))
+        per_row = _mix32(_mix32((rows & 0xFFFFFFFF) ^ key) ^ ((rows >> 32) & 0xFFFFFFFF))
+        columns = _mix32(torch.arange(16) * 0x9E3779B9 & 0xFFFFFFFF)
+        assert torch.equal(bits, _mix32(per_row.unsqueeze(1) ^ columns))  # the int64 definition
+        assert torch.equal(round_rows(x, torch.float16, rows, seed, step), stochastic_round_fp16(x, bits))
