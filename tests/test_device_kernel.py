@@ -62,3 +62,17 @@ def test_per_table_bounds_need_no_host_read():
                                  30, start, torch.zeros(2, dtype=torch.int64, device="cuda"),
                                  torch.zeros(2, dtype=torch.int64, device="cuda"))
         assert rows.device.type == "cuda" and rows.shape == (60,)
+
+
+def test_a_pinned_copy_of_the_host_tier_is_said_once(monkeypatch):
+    """Without FBGEMM's uvm_to_cpu the host tier cannot alias the UVM rows: the fallback copy
+    is not silent."""
+    from torchrec_proactive.integration import embedding_kernel
+
+    real_empty = torch.empty
+    monkeypatch.setattr(embedding_kernel.torch, "empty",
+                        lambda *a, pin_memory=False, **k: real_empty(*a, **k))  # (no pinned allocator here)
+    rows = torch.randn(64, 8)
+    with pytest.warns(UserWarning, match=r"tables \['a'\]: FBGEMM's uvm_to_cpu is not available.*pinned copy"):
+        host = embedding_kernel._pinned_copy(rows, ["a"])
+    assert torch.equal(host, rows)

@@ -242,8 +242,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if buffer.device.type != "cpu":
             host = _host_alias(buffer)
             if host is None:
-                host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-                host.copy_(buffer)
+                host = _pinned_copy(buffer, stock.config.table_names())
             else:
                 keep_alive = buffer  # (the alias shares the UVM allocation)
             base = buffer.storage_offset()
@@ -532,6 +531,22 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     def check_invariants(self, expect_drained: bool = False) -> None:
         self.store.check_invariants(expect_drained)
+
+
+def _pinned_copy(uvm: torch.Tensor, tables: List[str]) -> torch.Tensor:
+    """The rows copied once into pinned host memory, where FBGEMM lacks ``uvm_to_cpu``: said
+    once, since it holds the rows in a second allocation (the caching host allocator rounds
+    it up to a power of two) until the stock kernel's buffer is freed."""
+    nbytes = uvm.numel() * uvm.element_size()
+    warnings.warn(
+        f"tables {tables}: FBGEMM's uvm_to_cpu is not available, so the host tier is a pinned copy of the "
+        f"{nbytes / 2**20:.0f} MiB of rows instead of FBGEMM's host-mapped buffer itself (the rows are held "
+        f"twice while the stock kernel's buffer lives, and pinned memory is rounded up to a power of two)",
+        stacklevel=3,
+    )
+    host = torch.empty(uvm.shape, dtype=uvm.dtype, pin_memory=True)
+    host.copy_(uvm)
+    return host
 
 
 def _host_alias(uvm: torch.Tensor) -> Optional[torch.Tensor]:
