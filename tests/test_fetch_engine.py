@@ -152,3 +152,35 @@ def test_cuda_staging_alternates_two_sides_that_never_overlap(monkeypatch):
         seen[side].add(a.data_ptr())
     assert len(seen[0]) == len(seen[1]) == 1 and seen[0] != seen[1]
     assert staging.allocations == 2
+
+
+def test_the_engine_counts_waits_that_block_their_caller():
+    """``blocking_waits``: a count, not a clock. A ticket already done costs no wait; one whose
+    moves are still held up (here: until its waiter arrives) does."""
+    import threading
+
+    from torchrec_proactive.fetch.engine import Transport
+    from torchrec_proactive.store import TieredTable, OptimizerConfig
+
+    class Gated(Transport):
+        kind, asynchronous = "gated", True
+
+        def __init__(self):
+            self.gate = threading.Event()
+
+        def run(self, ticket):
+            self.gate.wait()
+            for plan in ticket.plans:
+                plan.table.transfer(plan)
+
+        def begin_wait(self, ticket):
+            self.gate.set()  # the moves may finish only once the caller is about to block
+
+    table = TieredTable("t", torch.randn(100, 4), OptimizerConfig(), num_slots=50)
+    inline, gated = FetchEngine(), FetchEngine(Gated())
+    for engine, expected, rows in ((inline, 0, torch.arange(5, 15)), (gated, 1, torch.arange(20, 30))):
+        plan = table.plan(rows)
+        engine.wait(engine.issue([plan]))
+        table.release(plan)
+        assert engine.stats.blocking_waits == expected
+        engine.close()
