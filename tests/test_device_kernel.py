@@ -76,3 +76,29 @@ def test_a_pinned_copy_of_the_host_tier_is_said_once(monkeypatch):
     with pytest.warns(UserWarning, match=r"tables \['a'\]: FBGEMM's uvm_to_cpu is not available.*pinned copy"):
         host = embedding_kernel._pinned_copy(rows, ["a"])
     assert torch.equal(host, rows)
+
+
+def test_an_lfu_cache_plan_shards_and_plans_lfu():
+    """CacheParams(algorithm=LFU) with the prefetch_pipeline flag the sharder sets: FBGEMM's
+    TBE asserts "Only LRU cache policy supports prefetch_pipeline" if the stock kernel it
+    builds for the group is given the policy; the store is the one that caches."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import CacheParams, ShardingEnv
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_proactive.integration.sharder import ProactiveEmbeddingBagCollectionSharder
+    from torchrec_proactive.store import EvictionPolicy
+
+    from .device_kernel_fixture import single_rank_group
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100,
+                                                            feature_names=["f"])], device=torch.device("cpu"))
+    sharder = ProactiveEmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": 0.1})
+    plan = construct_module_sharding_plan(
+        ebc, per_param_sharding={"t": table_wise(rank=0, compute_kernel="fused_uvm_caching")}, sharder=sharder,
+        local_size=1, world_size=1, device_type="cpu")
+    plan["t"].cache_params = CacheParams(algorithm=CacheAlgorithm.LFU, load_factor=0.5)
+    sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(single_rank_group()), torch.device("cpu"))
+    assert [k.store.policy for k in sharded._proactive_kernels] == [EvictionPolicy.LFU]
