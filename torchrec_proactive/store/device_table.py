@@ -192,6 +192,7 @@ class DeviceTieredTable(TieredTable):
         self.d_row_freq = (torch.zeros(R + SPREAD, dtype=torch.int32, device=dev)  # (as the host planner's)
                            if self.policy is EvictionPolicy.LFU else None)
         self._spread_buffer = torch.empty(0, dtype=torch.int64, device=dev)
+        self._pad_buffers = (self._spread_buffer, self._spread_buffer)
         self._bind_trash()
 
     def _bind_trash(self) -> None:
@@ -203,13 +204,17 @@ class DeviceTieredTable(TieredTable):
         self.d_blocked.narrow(0, self.trash, SPREAD).fill_(True)
         self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
 
-    def _spread(self, n: int) -> torch.Tensor:
-        """``arange(n) % SPREAD`` on the device, kept (grown when a batch is longer, narrowed
+    def _pads(self, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``spread = arange(n) % SPREAD`` and the padding pairs ``sentinel + spread`` (rows),
+        ``trash + spread`` (slots) on the device, kept (grown when a batch is longer, narrowed
         otherwise): padding entry ``i`` of a plan is sentinel row ``sentinel + spread[i]``,
         read from and written to trash slot ``trash + spread[i]``."""
         if self._spread_buffer.shape[0] < n:
-            self._spread_buffer = spread(max(n, 2 * self._spread_buffer.shape[0]), self.device)
-        return self._spread_buffer.narrow(0, 0, n)
+            size = max(n, 2 * self._spread_buffer.shape[0])
+            self._spread_buffer = spread(size, self.device)
+            self._pad_buffers = (self._spread_buffer + self.sentinel, self._spread_buffer + self.trash)
+        return (self._spread_buffer.narrow(0, 0, n), self._pad_buffers[0].narrow(0, 0, n),
+                self._pad_buffers[1].narrow(0, 0, n))
 
     # ------------------------------------------------------------------ planning
     @property
@@ -246,9 +251,8 @@ class DeviceTieredTable(TieredTable):
         if check_ids:
             bad = (ids < 0) | (ids >= self.num_rows)
             self.bad_ids.add(bad.sum())
-            ids = torch.where(bad, self.sentinel, ids)
-        spare = self._spread(n)
-        pad_rows, pad_slots = spare + self.sentinel, spare + self.trash  # (paired: row R + j <-> slot S + j)
+            ids = ids.masked_fill(bad, self.sentinel)  # (masked_fill: no device scalar to make)
+        spare, pad_rows, pad_slots = self._pads(n)  # (paired: row R + j <-> slot S + j)
         rows, inverse, num_unique = padded_unique(ids, pad_rows, spare)
         slots = self.d_row_to_slot.index_select(0, rows).to(torch.int64)
         miss = slots < 0
@@ -274,7 +278,7 @@ class DeviceTieredTable(TieredTable):
         # pair is what the binding holds anyway.)
         r2s = self.d_row_to_slot.dtype
         self.d_row_to_slot.index_copy_(0, torch.where(evicts, old_rows, pad_rows),
-                                       torch.where(evicts, -1, pad_slots).to(r2s))
+                                       pad_slots.masked_fill(evicts, -1).to(r2s))
         self.d_row_to_slot.index_copy_(0, torch.where(has_victim, rows, pad_rows), victims.to(r2s))
         self.d_slot_to_row.index_copy_(0, victims, torch.where(has_victim, rows, pad_rows))
         self.d_dirty.index_fill_(0, victims, False)  # (trash is never dirty: harmless)
@@ -372,7 +376,7 @@ class DeviceTieredTable(TieredTable):
             freq = self.d_row_freq.index_select(0, rows.clamp(min=0)).to(torch.int64)
             rank = torch.where(rows >= 0, (freq << 32) + rank, rank)
         blocked = (self.d_pins.index_select(0, slots) > 0) | self.d_blocked.index_select(0, slots)
-        return torch.where(blocked, _NEVER, rank)
+        return rank.masked_fill(blocked, _NEVER)
 
     def _plan_preload(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Maps the rows resident from the start (every row of a full cache, or the hot rows);
@@ -454,8 +458,7 @@ class DeviceTieredTable(TieredTable):
             return
         self._check_owner(claim=False)
         sentinel = self.sentinel
-        spare = self._spread(int(plan.fill_rows.shape[0]))
-        pad_rows, pad_slots = spare + sentinel, spare + self.trash
+        _, pad_rows, pad_slots = self._pads(int(plan.fill_rows.shape[0]))
         filled = plan.fill_rows < sentinel
         mapped = filled & (self.d_row_to_slot.index_select(0, plan.fill_rows) == plan.fill_slots)
         self.d_row_to_slot.index_copy_(0, torch.where(mapped, plan.fill_rows, pad_rows),
@@ -465,8 +468,7 @@ class DeviceTieredTable(TieredTable):
         self.d_blocked.index_fill_(0, gone, False)
         self._bind_trash()
         if plan.stage == "planned":
-            spare = self._spread(int(plan.writeback_rows.shape[0]))
-            pad_rows, pad_slots = spare + sentinel, spare + self.trash
+            _, pad_rows, pad_slots = self._pads(int(plan.writeback_rows.shape[0]))
             wb = plan.writeback_rows < sentinel
             wb_rows = torch.where(wb, plan.writeback_rows, pad_rows)
             wb_slots = torch.where(wb, plan.writeback_slots, pad_slots)
@@ -497,14 +499,14 @@ class DeviceTieredTable(TieredTable):
             self._masked_update(plan.slots, row_grads, step, ok, plan.rows)
         else:  # overflow (its sizes were read when it was planned): the exact host path
             in_cache = plan.slots < plan.overflow_base
-            cached = torch.where(in_cache, plan.slots, self._spread(plan.n) + self.trash)
+            cached = torch.where(in_cache, plan.slots, self._pads(plan.n)[2])
             self._masked_update(cached, row_grads * in_cache.unsqueeze(1), step, ok, plan.rows)
             over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)  # type: ignore[union-attr]
             ranks = (plan.slots - plan.overflow_base).clamp(min=0)
             order = torch.argsort(torch.where(in_cache, plan.n, ranks), stable=True).narrow(0, 0, plan.num_overflow)
             self._update_overflow(over, row_grads.index_select(0, order), step, ok)
         self.d_dirty.index_fill_(0, torch.where(plan.slots < self.num_slots, plan.slots,
-                                                self._spread(plan.n) + self.trash), True)
+                                                self._pads(plan.n)[2]), True)
         self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
         self.stats.updates += 1
         self.release(plan)
@@ -590,7 +592,7 @@ class DeviceTieredTable(TieredTable):
         plan.released = True
         self._bounds.pop(id(plan), None)
         if not self.holds_every_row:
-            cached = torch.where(plan.slots < self.num_slots, plan.slots, self._spread(plan.n) + self.trash)
+            cached = torch.where(plan.slots < self.num_slots, plan.slots, self._pads(plan.n)[2])
             self.d_pins.index_add_(0, cached, torch.full_like(cached, -1))
         self._in_flight -= 1
 

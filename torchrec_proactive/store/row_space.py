@@ -37,5 +37,5 @@ def device_store_rows(values: torch.Tensor, offsets: torch.Tensor, stride: int, 
     if feature_rows is not None and num_features:
         local = values.to(torch.int64)
         limit = feature_rows.index_select(0, feature) if feature is not None else feature_rows.narrow(0, 0, 1)
-        rows = torch.where((local < 0) | (local >= limit), -1, rows)
+        rows = rows.masked_fill((local < 0) | (local >= limit), -1)
     return rows
