@@ -428,3 +428,31 @@ def test_overflow_rows_are_updated_on_the_tables_device_not_in_the_host_tier(mon
     out = pooled_lookup_group([tb], torch.empty(0, requires_grad=True))[0]
     out.backward(torch.ones_like(out))
     assert len(updated) == 2 and not any(w is table.host_weight for w in updated)
+
+
+@pytest.mark.parametrize("permanent", [False, True])
+def test_every_miss_of_a_batch_that_surely_fits_finds_a_victim_in_its_window(permanent):
+    """The victim window (``pinned_bound + n`` slots, not the whole cache) still holds an
+    evictable slot for every miss: random batches, random lifetimes in flight, a cache just
+    big enough for what may be pinned; no planned row is ever left without a slot."""
+    g = torch.Generator().manual_seed(1)
+    hot = torch.arange(40) if permanent else None
+    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=340, hot_rows=hot)
+    engine = FetchEngine()
+    in_flight = []
+    for step in range(300):
+        n = int(torch.randint(1, 120, (1,), generator=g))
+        if not table.surely_fits(n):
+            table.release(in_flight.pop(0))
+            continue
+        ids = torch.randint(0, ROWS, (n,), generator=g)
+        tb = plan_device_batch(table, ids, torch.tensor([0, n]))
+        engine.run([tb.plan])
+        real = tb.plan.slots[: tb.plan.num_rows]
+        assert bool((real >= 0).all()) and bool((real < table.num_slots).all()), step
+        in_flight.append(tb.plan)
+        while len(in_flight) > int(torch.randint(0, 4, (1,), generator=g)):
+            table.release(in_flight.pop(0))
+    for plan in in_flight:
+        table.release(plan)
+    table.check_invariants(expect_drained=True)
