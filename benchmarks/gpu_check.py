@@ -8,21 +8,33 @@ staging) the way the TorchRec kernel does, and reports what a GPU user cares abo
 1. ``bit_identical_across_depths``: parameters after the same batches at depths 0, 1, 2, 4
    and 8 are bitwise equal, every depth with the *same* cache - once with a cache that
    holds several batches and once with one so small that prefetches wait and rows overflow;
-2. ``host_syncs_per_step``: synchronisations the training thread makes in the steady state
-   (CUDA: ``torch.cuda.set_sync_debug_mode("warn")``, counted on the training thread only -
-   the fetch worker may wait, that is its job; CPU: the same steps on fake CUDA tensors
-   under ``sync_detector``);
-3. ``gpu_stall_ms_per_step``: per depth, how long the compute stream sat waiting for rows,
-   from CUDA event pairs on the GPU timeline (not host enqueue time);
-4. ``fetch_fraction_of_pinned_copy``: cold-row gather + host-to-device through the engine
-   vs a plain pinned copy of the same bytes;
-5. ``compute_slowdown_while_fetching``: matmuls on the compute stream alone vs while the
+2. ``host_syncs_per_step``: synchronisations in the steady state (CUDA:
+   ``torch.cuda.set_sync_debug_mode("warn")``, counted on every thread but the fetch
+   worker's - autograd's device thread runs the backward there; CPU: the same steps on fake
+   CUDA tensors under ``sync_detector``);
+3. ``host_steps_ahead_of_gpu``: whole training steps the host enqueues while a 200 ms
+   ``torch.cuda._sleep`` holds the compute stream (the check no event or thread wait can
+   fool: with none, the host gets at least ``depth`` steps ahead); null on CPU;
+4. ``gpu_stall_ms_per_step``: per depth, how long the compute stream sat waiting for rows,
+   from CUDA events recorded where the stream asks for them, before the host blocks;
+5. ``fetch_fraction_of_pinned_copy``: the engine's fetch (host gather from the pinned tier
+   and host-to-device; ids drawn, uploaded and planned before the clock) vs a plain pinned
+   copy of the same bytes;
+6. ``compute_slowdown_while_fetching``: matmuls on the compute stream alone vs while the
    copy stream fetches (no device-wide synchronize in between, which would drain it);
-6. ``plan_ms_per_step_by_ids``: device planning time per step at 25k, 250k and 2M ids per
-   rank (8M-row store, 10% cache, Zipf ids), from CUDA events.
+7. ``plan_ms_per_step_by_ids``: device planning time per step at 25k, 250k and 2M ids per
+   rank (Zipf ids) on a warm cache big enough not to overflow (CUDA: 50M slots), from CUDA
+   events;
+8. ``plan_launches_per_group_step`` and ``plan_ops_identical_across_cache_sizes``: kernel
+   launches of one group's plan, and whether planning, lookup and update issue the same ops
+   touching the same bytes at 1M and 10M slots (a counting dispatch mode over fake CUDA
+   tensors: the same on any machine);
+9. ``per_table_bounds_ok``: an id past its own table (inside the group's row space) is
+   counted on the device.
 
 Under 5 minutes on one H100/H200. ``--device cpu`` runs the same code paths on CPU (no
-host-to-device link: its bandwidth rows are null; its planning sizes stop at 250k).
+host-to-device link: its bandwidth and host-lead figures are null; its planning sizes stop
+at 250k).
 Run from the repository root:  python benchmarks/gpu_check.py [--quick] [--json out.json]
 """
 
@@ -74,7 +86,12 @@ def zipf_ids(rows: int, n: int, alpha: float, g: torch.Generator) -> torch.Tenso
 
 
 class SyncCounter:
-    """Counts the CUDA sync warnings raised on the thread that creates it."""
+    """Counts the CUDA sync warnings raised on every thread but the fetch worker's (whose job
+    is to wait): the training thread's and autograd's device thread's, where CUDA runs the
+    backward and its fused update. Only a hint: ``set_sync_debug_mode`` sees neither event nor
+    thread waits, which ``host_steps_ahead_of_gpu`` measures."""
+
+    WORKER = "proactive-fetch"
 
     def __init__(self) -> None:
         self.count = 0
@@ -84,7 +101,7 @@ class SyncCounter:
         self._old = warnings.showwarning
 
         def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-            if "synchroniz" in str(message) and threading.get_ident() == self._thread:
+            if "synchroniz" in str(message) and threading.current_thread().name != self.WORKER:
                 self.count += 1
 
         warnings.showwarning = show
@@ -191,7 +208,7 @@ def host_syncs(device: torch.device, quick: bool) -> Dict[str, Any]:
             counter.__exit__(None, None, None)
     # (the flush and drain after the loop are not steady state; they ran after the counter)
     return {"host_syncs_per_step": counter.count / (steps - warm),
-            "how": "torch.cuda.set_sync_debug_mode('warn') on the training thread"}
+            "how": "torch.cuda.set_sync_debug_mode('warn') on every thread but the fetch worker"}
 
 
 def bandwidth(device: torch.device, quick: bool) -> Dict[str, Any]:
@@ -215,15 +232,22 @@ def bandwidth(device: torch.device, quick: bool) -> Dict[str, Any]:
     table = DeviceTieredTable("bw", host, OptimizerConfig(), num_slots=fetch_rows, device=device)
     engine = FetchEngine(make_transport(device))
     g = torch.Generator().manual_seed(3)
-
-    def fetch() -> None:
+    reps = 5
+    # The ids are drawn and uploaded, and each fetch planned, before its clock starts: the
+    # figure is the engine's move alone (host gather from the pinned tier, copy, scatter).
+    ids = [torch.randperm(rows, generator=g)[:fetch_rows].to(device) for _ in range(reps + 1)]
+    offsets = torch.arange(fetch_rows + 1, device=device)
+    times = []
+    for rep_ids in ids:
         table.invalidate()
-        ids = torch.randperm(rows, generator=g)[:fetch_rows].to(device)
-        tb = plan_device_batch(table, ids, torch.arange(fetch_rows + 1, device=device), overflow=True)
+        tb = plan_device_batch(table, rep_ids, offsets)
+        sync(device)
+        t0 = time.perf_counter()
         engine.wait(engine.issue([tb.plan]))
+        sync(device)
+        times.append(time.perf_counter() - t0)
         table.release(tb.plan)
-
-    gathered = timed(fetch)
+    gathered = sorted(times[1:])[len(times[1:]) // 2]
     engine.close()
     if device.type != "cuda":
         return {"fetch_fraction_of_pinned_copy": None, "note": "no host-to-device link on CPU"}
@@ -273,14 +297,22 @@ def interference(device: torch.device, quick: bool) -> Dict[str, Any]:
 
 
 def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
+    """Device planning time per step by ids per rank, on a cache big enough that no batch
+    overflows (an overflow plan reads its sizes on the host: another path), kept warm (no
+    invalidation between steps: the steady state), from CUDA events."""
     sizes = [25_000, 250_000, 2_000_000] if device.type == "cuda" else [25_000, 250_000]
-    rows = 8_000_000 if device.type == "cuda" and not quick else 800_000
-    table = DeviceTieredTable("plan", host_tensor(torch.zeros(rows, 8), device), OptimizerConfig(),
-                              num_slots=rows // 10, device=device)
+    if device.type == "cuda" and not quick:
+        rows, slots, dim = 60_000_000, 50_000_000, 4  # the issue's target: 2M ids, a 50M-slot cache
+    elif device.type == "cuda":
+        rows, slots, dim = 8_000_000, 4_000_000, 4
+    else:
+        rows, slots, dim = 800_000, 400_000, 8
+    table = DeviceTieredTable("plan", host_tensor(torch.zeros(rows, dim), device), OptimizerConfig(),
+                              num_slots=slots, device=device)
     g = torch.Generator().manual_seed(5)
     out: Dict[str, float] = {}
     for n in sizes:
-        batches = [zipf_ids(rows, n, 1.05, g).to(device) for _ in range(4)]
+        batches = [zipf_ids(rows, n, 1.05, g).to(device) for _ in range(5)]
         times = []
         for ids in batches:
             sync(device)
@@ -288,7 +320,8 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            plan = table.plan_ids(ids, overflow=False) if table.surely_fits(n) else table.plan_ids(ids, overflow=True)
+            assert table.surely_fits(n), (n, slots)  # (no overflow: see the docstring)
+            plan = table.plan_ids(ids)
             if device.type == "cuda":
                 end.record()
                 end.synchronize()
@@ -296,9 +329,106 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
             else:
                 times.append(1e3 * (time.perf_counter() - t0))
             table.release(plan)
-            table.invalidate()
-        out[str(n)] = sorted(times)[len(times) // 2]
-    return {"plan_ms_per_step_by_ids": out, "store_rows": rows, "cache_slots": rows // 10}
+        out[str(n)] = sorted(times[1:])[len(times[1:]) // 2]  # (the first plan of a size warms up)
+    return {"plan_ms_per_step_by_ids": out, "store_rows": rows, "cache_slots": slots}
+
+
+def plan_costs(device: torch.device, quick: bool) -> Dict[str, Any]:
+    """Launches, ops and bytes per group per step, counted on fake CUDA tensors (any machine:
+    nothing runs) through the planner, the lookup and the fused update, at 1M and 10M slots
+    for the same ids: a plan's cost must follow its ids, never the cache."""
+    from torchrec_proactive.store.cost_counter import CostCounter
+    from torchrec_proactive.store.row_space import device_store_rows
+    import numpy as np
+
+    n, rows, dim = 8192, 20_000_000, 16
+    starts = np.array([0, rows // 2], dtype=np.int64)
+    runs = {}
+    for slots in (1_000_000, 10_000_000):
+        counter = CostCounter()
+        with fake_cuda() as guard:
+            with guard.setup():
+                table = DeviceTieredTable("costs", torch.empty(rows, dim),
+                                          OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD), num_slots=slots,
+                                          device="cuda", segments=[Segment("a", 0, rows // 2),
+                                                                   Segment("b", rows // 2, rows - rows // 2)])
+                start_dev = torch.tensor(starts.tolist(), device="cuda")
+                rows_dev = torch.tensor([rows // 2, rows - rows // 2], device="cuda")
+            with counter:
+                for _ in range(3):
+                    counter.reset()
+                    values = torch.empty(n, dtype=torch.int64, device="cuda")
+                    offsets = torch.arange(0, n + 1, 2, device="cuda")
+                    with counter.phase("plan"):
+                        ids = device_store_rows(values, offsets, n // 4, starts, start_dev, rows_dev)
+                        tb = plan_device_batch(table, ids, offsets)
+                    with counter.phase("lookup"):
+                        out = lookup_module.pool_group([tb], [None])[0]
+                    with counter.phase("update"):
+                        lookup_module.update_group([tb], [None], [torch.ones_like(out)], [])
+        runs[slots] = counter.phases
+    small, large = runs[1_000_000], runs[10_000_000]
+    return {
+        "plan_launches_per_group_step": small["plan"].launches,
+        "plan_ops_identical_across_cache_sizes": all(small[k].key() == large[k].key() for k in small),
+        "per_phase": {k: {"ops": v.ops, "launches": v.launches, "bytes": v.bytes,
+                          "largest_temporary_bytes": v.largest_temporary} for k, v in small.items()},
+        "ids_per_step": n, "how": "fake CUDA tensors under a counting dispatch mode, 1M vs 10M slots",
+    }
+
+
+def per_table_bounds(device: torch.device, quick: bool) -> Dict[str, Any]:
+    """Stores [0,100) = A and [100,300) = B: id 150 of A (B's row 50 in the group's row space)
+    is counted on the device and trains no row."""
+    from torchrec_proactive.store.row_space import device_store_rows
+    import numpy as np
+
+    table = DeviceTieredTable("A+B", host_tensor(torch.zeros(300, 8), device), OptimizerConfig(), num_slots=300,
+                              device=device, segments=[Segment("A", 0, 100), Segment("B", 100, 200)])
+    starts = np.array([0, 100], dtype=np.int64)
+    values = torch.tensor([150, 3, 5, 199], device=device)
+    offsets = torch.arange(5, device=device)
+    ids = device_store_rows(values, offsets, 2, starts, torch.tensor([0, 100], device=device),
+                            torch.tensor([100, 200], device=device))
+    tb = plan_device_batch(table, ids, offsets)
+    table.release(tb.plan)
+    # Polls never wait: on CUDA the first one queues the count's read-back and a later one,
+    # once that copy has passed its event, returns it; on CPU the first one has it.
+    counted = table.bad_ids.poll()
+    for _ in range(2):
+        sync(device)
+        counted += table.bad_ids.poll()
+    return {"bad_ids_counted": counted, "per_table_bounds_ok": counted == 1}
+
+
+def host_lead(device: torch.device, quick: bool) -> Dict[str, Any]:
+    """``host_steps_ahead_of_gpu``: a ~200 ms ``torch.cuda._sleep`` is queued on the compute
+    stream, then the host runs whole training steps (plan, lookup, backward with the fused
+    update, fetch issue); counted: the steps the host finished before the sleep ended. With
+    no wait anywhere (threads, events, autograd's device thread) it gets ahead by more than
+    the prefetch depth; any hidden synchronisation stops it at the sleep."""
+    depth = 2
+    if device.type != "cuda":
+        return {"host_steps_ahead_of_gpu": None, "depth": depth, "note": "needs a GPU"}
+    rows, dim, bags, per_bag = 400_000, 64, 2048, 4
+    steps, warm = 24, 4
+    batches = make_batches(steps, rows, bags, per_bag, dim, device, seed=6)
+    init = torch.randn(rows, dim)
+    props = torch.cuda.get_device_properties(device)
+    clock_hz = float(getattr(props, "clock_rate", 1_980_000)) * 1e3  # (kHz; H200's boost clock if absent)
+    marks: Dict[str, Any] = {"ahead": 0, "sleeping": None}
+
+    def on_step(i: int) -> None:
+        if i == warm:
+            sync(device)
+            torch.cuda._sleep(int(0.2 * clock_hz))
+            marks["sleeping"] = torch.cuda.current_stream(device).record_event()
+        elif marks["sleeping"] is not None and not marks["sleeping"].query():
+            marks["ahead"] += 1
+
+    train(device, init, 9 * bags * per_bag, depth, batches, on_step)
+    return {"host_steps_ahead_of_gpu": marks["ahead"], "depth": depth, "steps_after_sleep": steps - warm - 1,
+            "sleep_ms": 200}
 
 
 def main() -> int:
@@ -318,7 +448,8 @@ def main() -> int:
     print(f"[gpu_check] {info}", flush=True)
     res: Dict[str, Any] = {"info": info}
     checks = (("exactness", exactness), ("syncs", host_syncs), ("bandwidth", bandwidth),
-              ("interference", interference), ("planning", planning))
+              ("interference", interference), ("planning", planning), ("plan_costs", plan_costs),
+              ("bounds", per_table_bounds), ("host_lead", host_lead))
     for name, check in checks:
         res[name] = check(device, args.quick)
         print(f"[gpu_check] {name} {json.dumps(res[name], default=str)}", flush=True)
@@ -330,6 +461,10 @@ def main() -> int:
         "fetch_fraction_of_pinned_copy": res["bandwidth"]["fetch_fraction_of_pinned_copy"],
         "compute_slowdown_while_fetching": res["interference"]["compute_slowdown_while_fetching"],
         "plan_ms_per_step_by_ids": res["planning"]["plan_ms_per_step_by_ids"],
+        "host_steps_ahead_of_gpu": res["host_lead"]["host_steps_ahead_of_gpu"],
+        "plan_launches_per_group_step": res["plan_costs"]["plan_launches_per_group_step"],
+        "plan_ops_identical_across_cache_sizes": res["plan_costs"]["plan_ops_identical_across_cache_sizes"],
+        "per_table_bounds_ok": res["bounds"]["per_table_bounds_ok"],
         "elapsed_s": time.perf_counter() - t_start,
     }
     res.update(summary)
@@ -345,8 +480,15 @@ def main() -> int:
     print(f"| fetch / plain pinned copy | {'needs a GPU' if frac is None else f'{frac:.2f}'} |")
     print(f"| compute slow-down while fetching | {summary['compute_slowdown_while_fetching']:+.1%} |")
     print(f"| planning ms/step by ids per rank | {summary['plan_ms_per_step_by_ids']} |")
+    lead = summary["host_steps_ahead_of_gpu"]
+    print(f"| host steps ahead of a 200 ms GPU sleep (depth {res['host_lead']['depth']}) | "
+          f"{'needs a GPU' if lead is None else lead} |")
+    print(f"| planning launches per group per step (FBGEMM: ~10) | {summary['plan_launches_per_group_step']} |")
+    print(f"| planning ops and bytes the same at 1M and 10M slots | {summary['plan_ops_identical_across_cache_sizes']} |")
+    print(f"| id past its own table counted on the device | {summary['per_table_bounds_ok']} |")
     print(f"| wall time | {summary['elapsed_s']:.0f} s |")
-    ok = summary["bit_identical_across_depths"] and summary["host_syncs_per_step"] == 0
+    ok = (summary["bit_identical_across_depths"] and summary["host_syncs_per_step"] == 0
+          and summary["plan_ops_identical_across_cache_sizes"] and summary["per_table_bounds_ok"])
     return 0 if ok else 1
 
 

@@ -133,3 +133,54 @@ def test_cuda_stream_transport_matches_cpu():
         torch.testing.assert_close(gpu.host_weight, cpu.host_weight, rtol=1e-5, atol=1e-5)
     finally:
         eg.close()
+
+
+def test_cuda_staging_alternates_two_sides_that_never_overlap(monkeypatch):
+    """Chunk k+1 is gathered into one side while chunk k's copy reads the other: the two
+    sides are distinct memory, each reused (not reallocated) chunk after chunk."""
+    from torchrec_proactive.fetch import cuda as cuda_transport
+
+    monkeypatch.setattr(cuda_transport, "_pinned", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    staging = cuda_transport._PinnedStaging()
+    seen = {0: set(), 1: set()}
+    for chunk in range(8):
+        side = chunk % 2
+        staging.begin(side)
+        a = staging.get(100, 8, torch.float32)
+        b = staging.get(50, 8, torch.float32)  # a second tensor of the same chunk: no overlap
+        assert b.data_ptr() >= a.data_ptr() + a.numel() * 4
+        seen[side].add(a.data_ptr())
+    assert len(seen[0]) == len(seen[1]) == 1 and seen[0] != seen[1]
+    assert staging.allocations == 2
+
+
+def test_the_engine_counts_waits_that_block_their_caller():
+    """``blocking_waits``: a count, not a clock. A ticket already done costs no wait; one whose
+    moves are still held up (here: until its waiter arrives) does."""
+    import threading
+
+    from torchrec_proactive.fetch.engine import Transport
+    from torchrec_proactive.store import TieredTable, OptimizerConfig
+
+    class Gated(Transport):
+        kind, asynchronous = "gated", True
+
+        def __init__(self):
+            self.gate = threading.Event()
+
+        def run(self, ticket):
+            self.gate.wait()
+            for plan in ticket.plans:
+                plan.table.transfer(plan)
+
+        def begin_wait(self, ticket):
+            self.gate.set()  # the moves may finish only once the caller is about to block
+
+    table = TieredTable("t", torch.randn(100, 4), OptimizerConfig(), num_slots=50)
+    inline, gated = FetchEngine(), FetchEngine(Gated())
+    for engine, expected, rows in ((inline, 0, torch.arange(5, 15)), (gated, 1, torch.arange(20, 30))):
+        plan = table.plan(rows)
+        engine.wait(engine.issue([plan]))
+        table.release(plan)
+        assert engine.stats.blocking_waits == expected
+        engine.close()

@@ -28,10 +28,20 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert sum(res["exactness"]["tiny"]["overflow_rows"].values()) > 0
     assert res["host_syncs_per_step"] == 0 and "sync_detector" in res["syncs"]["how"]
     assert sorted(res["plan_ms_per_step_by_ids"]) == ["25000", "250000"]
+    # Counters a CPU can fill (fake CUDA tensors), and the GPU-only one left null.
+    for key in ("host_steps_ahead_of_gpu", "plan_launches_per_group_step", "plan_ops_identical_across_cache_sizes",
+                "per_table_bounds_ok"):
+        assert key in res, key
+    assert res["host_steps_ahead_of_gpu"] is None
+    assert res["plan_ops_identical_across_cache_sizes"] is True
+    assert isinstance(res["plan_launches_per_group_step"], int) and res["plan_launches_per_group_step"] > 0
+    assert res["per_table_bounds_ok"] is True and res["bounds"]["bad_ids_counted"] == 1
+    assert res["plan_costs"]["per_phase"]["plan"]["bytes"] > 0
     # Without a GPU there is no host-to-device copy: no bandwidth figure, in the table or the JSON.
     assert res["fetch_fraction_of_pinned_copy"] is None
     rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
     assert "needs a GPU" in rows["fetch / plain pinned copy"]
+    assert "needs a GPU" in rows["host steps ahead of a 200 ms GPU sleep (depth 2)"]
     assert f"wrote {out}" in proc.stderr
 
 

@@ -31,13 +31,16 @@ Whoever waits first (the forward, a ``drain`` for a checkpoint, a flush): every 
     2. M  forward on C waits for t again: C.wait_event(E_done(t)) - not skipped because
           someone else waited first; an already-passed event costs nothing on the GPU.
 
-Staging reuse (pinned host arenas shared by consecutive tickets)::
+Staging reuse (two sides of pinned host arenas, A and B, used by chunks in turn)::
 
-    1. W  ticket t enqueues H2D copies that read arena A; records E_h2d(t) on X.
-    2. W  the next chunk (of t or of t+1) starts: E_h2d.synchronize() before rewriting A,
-          so no copy reads bytes meant for a later one. Write-back staging is read by the
-          host right after an X synchronize, so it is free at once. Every move goes in
-          chunks of at most ``CHUNK_BYTES`` per tensor, so A never outgrows one chunk.
+    1. W  chunk k gathers into A and enqueues H2D copies that read A; records E_h2d(A) on X.
+    2. W  chunk k+1 (of the same ticket or the next) gathers into B while X still copies
+          out of A: E_h2d(B).synchronize() first (B's last copy, two chunks back).
+    3. W  chunk k+2 uses A again: E_h2d(A).synchronize() before rewriting it, so no copy
+          reads bytes meant for a later one. Write-back staging is read by the host right
+          after an X synchronize, so it is free at once. Every move (fills, write-backs,
+          overflow rows) goes in chunks of at most ``CHUNK_BYTES`` per tensor, so neither
+          side outgrows one chunk.
 
 A failed ticket (an exception in W)::
 
@@ -48,8 +51,9 @@ A failed ticket (an exception in W)::
     3. M  the next ticket plans against a store in which every mapped row is in its slot,
           so it is correct whatever t left half-copied in the slots it had claimed.
 
-Stall on the GPU timeline (not host enqueue time): ``complete`` records E_wait0 on the
-waiting stream before ``wait_event(E_done)`` and E_wait1 after it; ``E_wait0 ->
+Stall on the GPU timeline (not host enqueue time): ``begin_wait`` records E_wait0 on the
+waiting stream before the host blocks for the ticket, ``complete`` records E_wait1 after
+``wait_event(E_done)``; ``E_wait0 ->
 E_wait1`` is how long that stream sat blocked on the copy. Pairs are read once both have
 completed (no synchronisation), summed in ``gpu_stall_ms``.
 
@@ -77,30 +81,39 @@ from .engine import Ticket, Transport
 CHUNK_BYTES = 64 << 20
 
 
-class _PinnedStaging:
-    """Pinned host arenas, one per (dtype, row width), reused across tickets.
+def _pinned(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    ``begin()`` starts a ticket; each ``get`` returns a slice that does not overlap the
-    slices handed out since, so several tables' copies can be in flight at once. An arena
-    that must grow is replaced; the old one stays alive for copies still reading it
-    (PyTorch's pinned allocator records the streams that use a block).
+
+class _PinnedStaging:
+    """Pinned host arenas, two sets (``side`` 0 and 1) of one per (dtype, row width),
+    reused across tickets.
+
+    Consecutive chunks use the two sides in turn, so the host gathers chunk k+1 into one
+    side while chunk k's copy still reads the other. ``begin(side)`` starts a chunk on that
+    side; each ``get`` returns a slice that does not overlap the slices handed out since, so
+    several tensors' copies can be in flight at once. An arena that must grow is replaced;
+    the old one stays alive for copies still reading it (PyTorch's pinned allocator records
+    the streams that use a block).
     """
 
     def __init__(self) -> None:
         self._arenas: Dict[Any, torch.Tensor] = {}
         self._cursor: Dict[Any, int] = {}
+        self._side = 0
         self.allocations = 0
 
-    def begin(self) -> None:
-        self._cursor.clear()
+    def begin(self, side: int = 0) -> None:
+        self._side = side
+        self._cursor = {k: v for k, v in self._cursor.items() if k[0] != side}
 
     def get(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        key = (dtype, width)
+        key = (self._side, dtype, width)
         start = self._cursor.get(key, 0)
         arena = self._arenas.get(key)
         if arena is None or arena.shape[0] < start + rows:
             capacity = max(start + rows, 2 * (0 if arena is None else arena.shape[0]), 1024)
-            arena = torch.empty((capacity, width), dtype=dtype, pin_memory=True)
+            arena = _pinned((capacity, width), dtype)
             self._arenas[key] = arena
             self.allocations += 1
             start = 0
@@ -120,9 +133,12 @@ class CudaStreamTransport(Transport):
         self.device = torch.device(device)
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self.staging = _PinnedStaging()
-        self._last_h2d: Optional[torch.cuda.Event] = None
+        # Per staging side, the event after the last host-to-device copy out of it.
+        self._last_h2d: List[Optional[torch.cuda.Event]] = [None, None]
+        self._side = 1
         self._stall_events: Deque[Tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self.gpu_stall_ms = 0.0
+        self._wait_started: Dict[int, Any] = {}  # ticket seq -> E_wait0 (see begin_wait)
 
     def prepare(self, ticket: Ticket) -> None:
         # Recorded on the stream that owns the cache (a DeviceTieredTable's planning stream),
@@ -153,11 +169,19 @@ class CudaStreamTransport(Transport):
                 plan.stage = "done"
             ticket.device_event = stream.record_event()
 
+    def begin_wait(self, ticket: Ticket) -> None:
+        # The stall starts where the waiting stream asks for the rows, before the host blocks
+        # on the worker (an event recorded after that would miss the time the host sat there).
+        before = torch.cuda.current_stream(self.device).record_event(torch.cuda.Event(enable_timing=True))
+        self._wait_started.setdefault(ticket.seq, before)
+
     def complete(self, ticket: Ticket) -> None:
+        before = self._wait_started.pop(ticket.seq, None)
         if ticket.device_event is None:
             return
         stream = torch.cuda.current_stream(self.device)
-        before = stream.record_event(torch.cuda.Event(enable_timing=True))
+        if before is None:
+            before = stream.record_event(torch.cuda.Event(enable_timing=True))
         stream.wait_event(ticket.device_event)
         after = stream.record_event(torch.cuda.Event(enable_timing=True))
         for plan in ticket.plans:
@@ -189,6 +213,10 @@ class CudaStreamTransport(Transport):
         """The first ``n`` (slots on the device, rows on the host) of a plan's move list, in
         pieces of at most ``CHUNK_BYTES`` of staging; the staging is free for each piece."""
         if isinstance(plan, DeviceFetchPlan):  # lists on the device, sizes resolved in run()
+            # Allocated on the owner stream, read here on the copy stream: a plan rolled back
+            # or released while these copies are queued must not hand their memory back to
+            # the owner stream before the copy stream has read them.
+            slots.record_stream(self.copy_stream)
             slots, rows = slots.narrow(0, 0, n), rows.narrow(0, 0, n).to("cpu")
         else:
             slots = slots.to(self.device, non_blocking=True)
@@ -199,11 +227,19 @@ class CudaStreamTransport(Transport):
             yield slots.narrow(0, start, size), rows.narrow(0, start, size)
 
     def _reuse_staging(self) -> None:
-        """Waits (on the worker) until the last host-to-device copy out of staging has run."""
-        if self._last_h2d is not None:
-            self._last_h2d.synchronize()
-            self._last_h2d = None
-        self.staging.begin()
+        """Moves to the other staging side and waits (on the worker) until the last
+        host-to-device copy out of *that* side has run; the copy out of the side just used
+        keeps running while the next chunk is gathered."""
+        self._side ^= 1
+        last = self._last_h2d[self._side]
+        if last is not None:
+            last.synchronize()
+            self._last_h2d[self._side] = None
+        self.staging.begin(self._side)
+
+    def _copied(self) -> None:
+        """Records the end of the copies out of the current staging side."""
+        self._last_h2d[self._side] = self.copy_stream.record_event()
 
     def _write_back(self, plan: Any) -> None:
         n = plan.num_writebacks
@@ -227,7 +263,7 @@ class CudaStreamTransport(Transport):
                 staged = self.staging.get(chunk_rows.shape[0], hflat.shape[1], hflat.dtype)
                 torch.index_select(hflat, 0, chunk_rows, out=staged)
                 cache.view(cache.shape[0], -1).index_copy_(0, chunk_slots, staged.to(self.device, non_blocking=True))
-            self._last_h2d = self.copy_stream.record_event()
+            self._copied()
 
     def _stage_overflow(self, plan: Any) -> None:
         """The overflow rows of a device plan, read from the host tier for its lookup (the
@@ -235,11 +271,19 @@ class CudaStreamTransport(Transport):
         if not isinstance(plan, DeviceFetchPlan) or not plan.num_overflow:
             return
         rows = plan.overflow_rows.narrow(0, 0, plan.num_overflow).to("cpu")  # type: ignore[union-attr]
-        self._reuse_staging()
-        staged = self.staging.get(rows.shape[0], plan.table.dim, plan.table.host_weight.dtype)
-        torch.index_select(plan.table.host_weight, 0, rows, out=staged)
-        plan.overflow_weight = staged.to(self.device, non_blocking=True)
-        self._last_h2d = self.copy_stream.record_event()
+        host = plan.table.host_weight
+        out = torch.empty((rows.shape[0], plan.table.dim), dtype=host.dtype, device=self.device)
+        # In chunks of at most CHUNK_BYTES of staging, as fills: staging never grows to
+        # the overflow (an arena is kept for the transport's life).
+        step = max(1, CHUNK_BYTES // max(plan.table.row_bytes, 1))
+        for start in range(0, rows.shape[0], step):
+            chunk = rows.narrow(0, start, min(step, rows.shape[0] - start))
+            self._reuse_staging()
+            staged = self.staging.get(chunk.shape[0], plan.table.dim, host.dtype)
+            torch.index_select(host, 0, chunk, out=staged)
+            out.narrow(0, start, chunk.shape[0]).copy_(staged, non_blocking=True)
+            self._copied()
+        plan.overflow_weight = out
 
     def describe(self) -> Dict[str, Any]:
         return {"kind": self.kind, "device": str(self.device), "pinned_allocations": self.staging.allocations,

@@ -92,6 +92,9 @@ class Transport(abc.ABC):
     def run(self, ticket: Ticket) -> None:
         """Moves the data. On asynchronous transports this runs on the engine's worker."""
 
+    def begin_wait(self, ticket: Ticket) -> None:
+        """Called on the waiting thread before it blocks for ``ticket`` (stall timing)."""
+
     def complete(self, ticket: Ticket) -> None:
         """Called on the waiting thread once the ticket is done (device-side fences)."""
 
@@ -159,6 +162,9 @@ class EngineStats:
     rows_fetched: int = 0
     stall_s: float = 0.0  # time callers spent blocked in `wait`
     busy_s: float = 0.0  # time the link spent moving data
+    # `wait` calls that found their ticket not done yet and blocked the caller: a count, not
+    # a clock, so tests can assert that a batch prefetched ahead never made its caller wait.
+    blocking_waits: int = 0
 
     def as_dict(self) -> Dict[str, float]:
         return dict(self.__dict__)
@@ -266,6 +272,9 @@ class FetchEngine:
         """Blocks until ``ticket`` is done; returns the seconds spent blocked."""
         if not isinstance(ticket, Ticket) or ticket._engine is not self:
             raise NotPrefetchedError(f"{ticket!r} was not issued by this fetch engine")
+        self.transport.begin_wait(ticket)
+        if not ticket.done:
+            self.stats.blocking_waits += 1
         t0 = time.perf_counter()
         ticket._done.wait()
         stall = time.perf_counter() - t0

@@ -56,6 +56,7 @@ from ..store import (
     unique_rows,
     pooled_lookup_group,
 )
+from ..store.row_space import device_store_rows  # noqa: F401 - (re-exported: tests import it here)
 from .options import ProactiveOptions
 
 
@@ -206,7 +207,13 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             dtype=np.int64,
         )
         self._num_features = int(self._feature_start.shape[0])
-        self._feature_start_device = torch.from_numpy(self._feature_start).to(self._device)
+        self._feature_start_device = torch.tensor(self._feature_start.tolist(), dtype=torch.int64, device=self._device)
+        # Per feature, its own table's rows: on the device planner ids are checked against
+        # them there (the input dist's validator runs only for host ids). One table needs
+        # no such check: the store's own bounds are that table's.
+        feature_rows = [seg.num_rows for seg, t in zip(self.store.segments, tables) for _ in range(t.num_features())]
+        self._feature_rows_device = (torch.tensor(feature_rows, dtype=torch.int64, device=self._device)
+                                     if self._on_device and len(self.store.segments) > 1 else None)
         self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
@@ -243,8 +250,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if buffer.device.type != "cpu":
             host = _host_alias(buffer)
             if host is None:
-                host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
-                host.copy_(buffer)
+                host = _pinned_copy(buffer, stock.config.table_names())
             else:
                 keep_alive = buffer  # (the alias shares the UVM allocation)
             base = buffer.storage_offset()
@@ -460,7 +466,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         the first row of its feature's table, the feature found from the KJT's offsets (one
         ``searchsorted``, no host read). Unique rows are left to the device planner."""
         values, offsets, stride = features.values(), features.offsets(), features.stride()
-        rows = device_store_rows(values, offsets, stride, self._feature_start, self._feature_start_device)
+        rows = device_store_rows(values, offsets, stride, self._feature_start, self._feature_start_device,
+                                 self._feature_rows_device)
         return PreparedBatch(rows, None, offsets, False, stride, int(values.shape[0]),  # type: ignore[arg-type]
                              features.weights_or_none(), False)
 
@@ -503,7 +510,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         bad = store.bad_ids.poll()
         if bad:
             raise IdOutOfRangeError(
-                f"tables {self.table_names()}: {bad} id(s) of a recent batch were outside the tables' rows "
+                f"tables {self.table_names()}: {bad} id(s) of a recent batch were outside their own table's rows "
                 f"(ids must lie in [0, num_embeddings) of their table); they were looked up from a scratch row and trained no real row. "
                 f"On CUDA ids are checked on the device and reported at the next batch; run with the sharder's "
                 f"planner='host' to have them named before the all-to-all"
@@ -585,6 +592,22 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self.store.check_invariants(expect_drained)
 
 
+def _pinned_copy(uvm: torch.Tensor, tables: List[str]) -> torch.Tensor:
+    """The rows copied once into pinned host memory, where FBGEMM lacks ``uvm_to_cpu``: said
+    once, since it holds the rows in a second allocation (the caching host allocator rounds
+    it up to a power of two) until the stock kernel's buffer is freed."""
+    nbytes = uvm.numel() * uvm.element_size()
+    warnings.warn(
+        f"tables {tables}: FBGEMM's uvm_to_cpu is not available, so the host tier is a pinned copy of the "
+        f"{nbytes / 2**20:.0f} MiB of rows instead of FBGEMM's host-mapped buffer itself (the rows are held "
+        f"twice while the stock kernel's buffer lives, and pinned memory is rounded up to a power of two)",
+        stacklevel=3,
+    )
+    host = torch.empty(uvm.shape, dtype=uvm.dtype, pin_memory=True)
+    host.copy_(uvm)
+    return host
+
+
 def _host_alias(uvm: torch.Tensor) -> Optional[torch.Tensor]:
     """A CPU tensor over the same bytes as a host-mapped UVM tensor (FBGEMM's ``uvm_to_cpu``),
     or None where FBGEMM has no such op (its CPU build)."""
@@ -639,24 +662,6 @@ def _group_host_tier(config: GroupedEmbeddingConfig, buffer: torch.Tensor, views
         expected += v.numel()
     total = sum(int(v.shape[0]) for v in views)
     return buffer[start: start + total * dim].view(total, dim)
-
-
-def device_store_rows(values: torch.Tensor, offsets: torch.Tensor, stride: int, feature_start: np.ndarray,
-                      feature_start_device: torch.Tensor) -> torch.Tensor:
-    """``store_rows`` on the ids' own device with no host read: the feature of each id comes
-    from the KJT's offsets (``offsets[f * stride]`` is where feature f's ids start: one
-    ``searchsorted``), not from its lengths per key. ``feature_start`` is the host copy of
-    ``feature_start_device``, read only for its (host-known) values."""
-    rows = values.to(torch.int64)
-    num_features = feature_start.shape[0]
-    if num_features > 1 and bool(feature_start.any()):
-        starts = offsets.index_select(0, torch.arange(stride, num_features * stride, stride, device=offsets.device))
-        position = torch.arange(rows.shape[0], device=rows.device, dtype=starts.dtype)
-        feature = torch.searchsorted(starts, position, right=True)
-        rows = rows + feature_start_device.index_select(0, feature)
-    elif num_features == 1 and feature_start[0]:
-        rows = rows + int(feature_start[0])
-    return rows
 
 
 def store_rows(ids: np.ndarray, feature_start: np.ndarray, stride: int, per_feature: List[int],

@@ -280,6 +280,10 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 fused = dict(config.fused_params or {})
                 self._user_fused_params[id(config)] = dict(fused)
                 fused["optimizer"] = EmbOptimType.EXACT_SGD
+                # The stock kernel caches nothing for us: FBGEMM's default policy, since its
+                # TBE refuses LFU with the prefetch_pipeline flag that marks our groups
+                # (the user's policy stays in the tables' params, where our store reads it).
+                fused.pop("cache_algorithm", None)
                 config.fused_params = fused
                 if on_cuda:
                     # Not FBGEMM's UVM cache: it would allocate an HBM cache nobody reads.

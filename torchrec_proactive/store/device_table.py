@@ -9,10 +9,13 @@ tensor ops whose shapes depend only on the number of ids (``fixed_shape.py``). T
 training thread enqueues them and moves on; nothing here reads device memory on the host
 (``tests/test_device_store.py`` runs it on fake CUDA tensors under ``sync_detector``).
 
-Layout. Slot ``trash = num_slots`` and row ``sentinel = num_rows`` are one extra entry of
-every per-slot and per-row array: padding entries of a plan map to them, so every scatter
-can run at full length. They are bound to each other forever and never evicted. The cache
-has ``num_slots + 1`` rows for the same reason.
+Layout. Slots ``trash + j = num_slots + j`` and rows ``sentinel + j = num_rows + j``
+(``j < SPREAD``, ``fixed_shape.py``) are extra entries of every per-slot and per-row array:
+padding entry ``i`` of a plan maps to the pair ``j = i % SPREAD``, so every scatter runs at
+full length with no mask, and no single address absorbs the padding (at 2M Zipf ids,
+~1.5M padding entries would otherwise contend for one slot: on a GPU, atomics on one
+address, or one row rewritten by every padding thread). The pairs are bound to each other
+forever and never evicted; the cache has ``num_slots + SPREAD`` rows for the same reason.
 
 What the host still decides, without reading the device:
 
@@ -25,13 +28,33 @@ What the host still decides, without reading the device:
   batch's own lookup, which is on the critical path anyway; that path reads the plan's
   sizes on the host (a synchronisation, counted in ``stats.host_syncs``).
 
-Victims are exact LRU (LFU: frequency, then recency): one sort of the per-slot rank per
-plan, pinned and permanent slots ranked last. Sizes of a plan (unique rows, fills,
+Victims: sampled LRU (LFU: frequency, then recency) in a window of ``pinned_bound + n``
+slots that a clock hand moves ``n`` slots per plan (``_window``), pinned and permanent slots
+ranked last. Why a window and not exact LRU or FBGEMM's sets: an exact LRU sorts every slot
+on every plan (O(cache): several ms per group per step at 50M slots), where the window's
+size is known on the host, follows the ids in flight and never the cache, and still
+guarantees a victim for every miss of a batch that ``surely_fits`` (so no host read decides
+anything). FBGEMM's set-associative cache (32 ways, a row hashed to its set) is also O(ids)
+but can run out of ways in one set while the cache has room, which here would mean an
+overflow (a host read) at any step; the window cannot. The host planner (``SlotRanking``)
+samples the same way. Which slot a row gets never changes the math, only the hit rate:
+results stay bit-identical across cache sizes (``tests/test_device_store.py``), and the
+costs per step are the same at 1M and 10M slots (``tests/test_device_cost.py``). Sizes of a plan (unique rows, fills,
 write-backs) reach the host through the fetch worker's read-back (``resolve_sizes``), where
 waiting costs the training thread nothing.
 
+Launches. A plan (with the kernel's id mapping) issues about 104 ATen ops that launch a
+kernel, per group per step (``tests/test_device_cost.py`` counts them on fake CUDA tensors;
+``benchmarks/gpu_check.py`` reports ``plan_launches_per_group_step``). The target is 30;
+FBGEMM's cache path launches about 10 kernels written for it (find uncached, populate,
+lookup), whatever the batch. Eager tensor ops cannot get there: each fixed-shape step
+(masks, cumulative sums, compactions, the scatters into every bookkeeping array) is its own
+launch. Reaching it takes fused kernels (Triton, or FBGEMM's ``lru_cache_*`` ops where their
+state layout fits), which a CPU-only build can neither run nor count; until then the bound
+is a strict xfail in the cost tests.
+
 Bookkeeping is owned by the stream that plans, looks up and updates (the compute stream);
-see ``fetch/staged.py`` for how bytes move between the host tier and the cache.
+see ``fetch/cuda.py`` for how bytes move between the host tier and the cache.
 """
 
 from __future__ import annotations
@@ -44,7 +67,7 @@ import torch
 from .errors import CacheCapacityError, InvalidInputError, StoreStateError
 from .async_count import AsyncCount
 from .eviction import EvictionPolicy
-from .fixed_shape import compact, padded_unique
+from .fixed_shape import SPREAD, compact, padded_unique, spread
 from .optimizers import update_rows
 from .tiered_table import TieredTable
 
@@ -54,7 +77,8 @@ _NEVER = torch.iinfo(torch.int64).max
 @dataclass
 class DeviceFetchPlan:
     """One batch's plan on a :class:`DeviceTieredTable`; every tensor lives on the device
-    and has the batch's id count ``n`` as its length (padding: sentinel row, trash slot).
+    and has the batch's id count ``n`` as its length (padding entry ``i``: sentinel row and
+    trash slot ``i % SPREAD``).
 
     ``rows[:num_unique]`` are the sorted unique rows, ``inverse`` maps each id to its row,
     ``slots[i]`` is where ``rows[i]`` is read at lookup. ``fill_*`` and ``writeback_*`` are
@@ -94,7 +118,7 @@ class DeviceFetchPlan:
     @property
     def overflow_base(self) -> int:
         """The first slot id that means "overflow row" rather than "cache slot"."""
-        return self.table.num_slots + 1
+        return self.table.num_slots + SPREAD
 
     def lookup_weight(self) -> torch.Tensor:
         return self.table.cache_weight
@@ -147,6 +171,7 @@ class DeviceTieredTable(TieredTable):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self._tick = 0
+        self._hand = 0  # where the next plan's victim window starts (see _window)
         self._num_permanent = 0 if self._hot_rows is None else int(self._hot_rows.numel())
         self._bounds: Dict[int, int] = {}  # id(plan) -> rows the host counts it as pinning
         self.host_syncs = 0  # overflow plans read their sizes on the host
@@ -159,28 +184,47 @@ class DeviceTieredTable(TieredTable):
         self.owner_stream: Optional[object] = None  # see _check_owner
 
     def _allocate_cache(self, rows: int) -> None:
-        # One more cache row (the trash slot's), so padded scatters need no mask.
-        super()._allocate_cache(rows + 1)
+        # SPREAD more cache rows (the trash slots), so padded scatters need no mask.
+        super()._allocate_cache(rows + SPREAD)
 
     def _allocate_bookkeeping(self) -> None:
         S, R, dev = self.num_slots, self.num_rows, self.device
         self.trash, self.sentinel = S, R
-        self.d_row_to_slot = torch.full((R + 1,), -1, dtype=torch.int64, device=dev)
-        self.d_slot_to_row = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
-        self.d_pins = torch.zeros(S + 1, dtype=torch.int64, device=dev)
-        self.d_dirty = torch.zeros(S + 1, dtype=torch.bool, device=dev)
-        self.d_blocked = torch.zeros(S + 1, dtype=torch.bool, device=dev)  # permanent, and trash
-        self.d_last_used = torch.zeros(S + 1, dtype=torch.int64, device=dev)
-        self.d_row_freq = (torch.zeros(R + 1, dtype=torch.int64, device=dev)
+        # Row -> slot has an entry per store row (the largest map): int32 whenever slot ids
+        # fit, half the device memory of int64 (FBGEMM's cache maps are int32 too).
+        slot_dtype = torch.int32 if S + SPREAD < 2**31 else torch.int64
+        self.d_row_to_slot = torch.full((R + SPREAD,), -1, dtype=slot_dtype, device=dev)
+        self.d_slot_to_row = torch.full((S + SPREAD,), -1, dtype=torch.int64, device=dev)
+        self.d_pins = torch.zeros(S + SPREAD, dtype=torch.int64, device=dev)
+        self.d_dirty = torch.zeros(S + SPREAD, dtype=torch.bool, device=dev)
+        self.d_blocked = torch.zeros(S + SPREAD, dtype=torch.bool, device=dev)  # permanent, and trash
+        self.d_last_used = torch.zeros(S + SPREAD, dtype=torch.int64, device=dev)
+        self.d_row_freq = (torch.zeros(R + SPREAD, dtype=torch.int32, device=dev)  # (as the host planner's)
                            if self.policy is EvictionPolicy.LFU else None)
+        self._spread_buffer = torch.empty(0, dtype=torch.int64, device=dev)
+        self._pad_buffers = (self._spread_buffer, self._spread_buffer)
         self._bind_trash()
 
     def _bind_trash(self) -> None:
-        # (narrow + fill_, not item assignment: see sync_detector on fake CUDA tensors)
-        self.d_row_to_slot.narrow(0, self.sentinel, 1).fill_(self.trash)
-        self.d_slot_to_row.narrow(0, self.trash, 1).fill_(self.sentinel)
-        self.d_blocked.narrow(0, self.trash, 1).fill_(True)
-        self.d_dirty.narrow(0, self.trash, 1).fill_(False)
+        # (narrow + copy_/fill_, not item assignment: see sync_detector on fake CUDA tensors)
+        j = torch.arange(SPREAD, dtype=torch.int64, device=self.device)
+        rows, slots = j + self.sentinel, j + self.trash
+        self.d_row_to_slot.index_copy_(0, rows, slots.to(self.d_row_to_slot.dtype))
+        self.d_slot_to_row.index_copy_(0, slots, rows)
+        self.d_blocked.narrow(0, self.trash, SPREAD).fill_(True)
+        self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
+
+    def _pads(self, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``spread = arange(n) % SPREAD`` and the padding pairs ``sentinel + spread`` (rows),
+        ``trash + spread`` (slots) on the device, kept (grown when a batch is longer, narrowed
+        otherwise): padding entry ``i`` of a plan is sentinel row ``sentinel + spread[i]``,
+        read from and written to trash slot ``trash + spread[i]``."""
+        if self._spread_buffer.shape[0] < n:
+            size = max(n, 2 * self._spread_buffer.shape[0])
+            self._spread_buffer = spread(size, self.device)
+            self._pad_buffers = (self._spread_buffer + self.sentinel, self._spread_buffer + self.trash)
+        return (self._spread_buffer.narrow(0, 0, n), self._pad_buffers[0].narrow(0, 0, n),
+                self._pad_buffers[1].narrow(0, 0, n))
 
     # ------------------------------------------------------------------ planning
     @property
@@ -215,32 +259,36 @@ class DeviceTieredTable(TieredTable):
         if check_ids:
             bad = (ids < 0) | (ids >= self.num_rows)
             self.bad_ids.add(bad.sum())
-            ids = torch.where(bad, self.sentinel, ids)
-        rows, inverse, num_unique = padded_unique(ids, self.sentinel)
-        slots = self.d_row_to_slot.index_select(0, rows)
+            ids = ids.masked_fill(bad, self.sentinel)  # (masked_fill: no device scalar to make)
+        spare, pad_rows, pad_slots = self._pads(n)  # (paired: row R + j <-> slot S + j)
+        rows, inverse, num_unique = padded_unique(ids, pad_rows, spare)
+        slots = self.d_row_to_slot.index_select(0, rows).to(torch.int64)
         miss = slots < 0
         tracked = not self.holds_every_row
         if tracked:
             # Pin the hits first, so that the victim search cannot choose them.
-            self.d_pins.index_add_(0, torch.where(miss, self.trash, slots), torch.ones_like(slots))
-        # Victims: every slot ranked (blocked last), lowest first; miss j takes the j-th.
-        k = min(n, S + 1)
-        ranked = torch.argsort(self._rank(), stable=True).narrow(0, 0, k)
-        evictable = (self.d_pins == 0) & self.d_blocked.logical_not()
-        num_evictable = evictable.sum()
+            self.d_pins.index_add_(0, torch.where(miss, pad_slots, slots), torch.ones_like(slots))
+        # Victims: the slots of this plan's window ranked (blocked last), lowest first;
+        # miss j takes the j-th. Never a pass over the whole cache (see _window).
+        window = self._window(n)
+        w = int(window.shape[0])
+        rank = self._rank(window)
+        ranked = window.index_select(0, torch.argsort(rank, stable=True))
+        num_evictable = (rank < _NEVER).sum()
         miss_rank = torch.cumsum(miss, 0) - 1
-        has_victim = miss & (miss_rank < num_evictable) & (miss_rank < k)
-        victims = torch.where(has_victim, ranked.index_select(0, miss_rank.clamp(0, k - 1)),
-                              torch.full_like(slots, self.trash))
+        has_victim = miss & (miss_rank < num_evictable)
+        victims = torch.where(has_victim, ranked.index_select(0, miss_rank.clamp(0, w - 1)), pad_slots)
         old_rows = self.d_slot_to_row.index_select(0, victims)
         evicts = has_victim & (old_rows >= 0)
         writes_back = evicts & self.d_dirty.index_select(0, victims)
         # Bookkeeping: the evicted rows leave, the missing rows take their slots.
-        sentinel = torch.full_like(rows, self.sentinel)
-        trash = torch.full_like(slots, self.trash)
-        self.d_row_to_slot.index_copy_(0, torch.where(evicts, old_rows, sentinel), torch.where(evicts, -1, trash))
-        self.d_row_to_slot.index_copy_(0, torch.where(has_victim, rows, sentinel), victims)
-        self.d_slot_to_row.index_copy_(0, victims, torch.where(has_victim, rows, sentinel))
+        # (Entries with nothing to do write their own sentinel/trash pair: spread, and the
+        # pair is what the binding holds anyway.)
+        r2s = self.d_row_to_slot.dtype
+        self.d_row_to_slot.index_copy_(0, torch.where(evicts, old_rows, pad_rows),
+                                       pad_slots.masked_fill(evicts, -1).to(r2s))
+        self.d_row_to_slot.index_copy_(0, torch.where(has_victim, rows, pad_rows), victims.to(r2s))
+        self.d_slot_to_row.index_copy_(0, victims, torch.where(has_victim, rows, pad_rows))
         self.d_dirty.index_fill_(0, victims, False)  # (trash is never dirty: harmless)
         if tracked:
             self.d_pins.index_add_(0, victims, has_victim.to(torch.int64))
@@ -249,20 +297,20 @@ class DeviceTieredTable(TieredTable):
         overflow_rows = None
         if overflow:
             over_rank = torch.cumsum(overflows, 0) - 1
-            slots = torch.where(overflows, S + 1 + over_rank, slots)
-            (overflow_rows, num_overflow) = compact(overflows, self.sentinel, rows)
+            slots = torch.where(overflows, S + SPREAD + over_rank, slots)
+            (overflow_rows, num_overflow) = compact(overflows, self.sentinel, rows, spare=spare)
         else:
             num_overflow = torch.zeros((), dtype=torch.int64, device=self.device)
         # Recency (and frequency) of the rows read from the cache.
         self._tick += 1
-        cached = torch.where(overflows, self.trash, slots)
+        cached = torch.where(overflows, pad_slots, slots)
         self.d_last_used.index_fill_(0, cached, self._tick)
         if self.d_row_freq is not None:
-            self.d_row_freq.index_add_(0, torch.where(overflows, self.sentinel, rows), torch.ones_like(rows))
-        fill_rows, fill_slots, num_fills = compact(has_victim, self.sentinel, rows, victims)
-        fill_slots = torch.where(fill_rows == self.sentinel, self.trash, fill_slots)
-        wb_rows, wb_slots, num_wb = compact(writes_back, self.sentinel, old_rows, victims)
-        wb_slots = torch.where(wb_rows == self.sentinel, self.trash, wb_slots)
+            self.d_row_freq.index_add_(0, torch.where(overflows, pad_rows, rows), torch.ones_like(rows, dtype=torch.int32))
+        fill_rows, fill_slots, num_fills = compact(has_victim, self.sentinel, rows, victims, spare=spare)
+        fill_slots = torch.where(fill_rows == self.sentinel, pad_slots, fill_slots)
+        wb_rows, wb_slots, num_wb = compact(writes_back, self.sentinel, old_rows, victims, spare=spare)
+        wb_slots = torch.where(wb_rows == self.sentinel, pad_slots, wb_slots)
         num_preloaded = 0
         if preload is not None:
             p_rows, p_slots = preload
@@ -287,15 +335,18 @@ class DeviceTieredTable(TieredTable):
             return 0
         return int((self.d_pins.narrow(0, 0, self.num_slots) > 0).sum())
 
-    def _check_owner(self) -> None:
+    def _check_owner(self, claim: bool = True) -> None:
         """One stream owns the cache and its bookkeeping: the one current at the first plan.
-        Planning, lookups and updates on another stream would race with it (its kernels are
-        ordered only within their stream), so they are refused. A host-side check."""
+        Planning, lookups, updates, releases, rollbacks, flushes, refreshes and
+        invalidations on another stream would race with it (its kernels are ordered only
+        within their stream), so they are refused. A host-side check. ``claim``: the first
+        caller becomes the owner (planning and updates); the others only check an owner."""
         if self.device.type != "cuda" or not torch.cuda.is_available():
             return
         stream = torch.cuda.current_stream(self.device)
         if self.owner_stream is None:
-            self.owner_stream = stream
+            if claim:
+                self.owner_stream = stream
         elif stream != self.owner_stream:
             raise StoreStateError(
                 f"table '{self.name}': planned on CUDA stream {stream} but its cache belongs to stream "
@@ -303,14 +354,37 @@ class DeviceTieredTable(TieredTable):
                 f"table on one stream (TrainPipelineSemiSync and PrefetchTrainPipelineSparseDist use side streams)"
             )
 
-    def _rank(self) -> torch.Tensor:
-        """Per slot, its eviction rank (lower goes first); pinned, permanent and trash last.
-        Never-used slots have ``last_used == 0`` and go first."""
-        rank = self.d_last_used
+    def _window(self, n: int) -> torch.Tensor:
+        """The slots a plan of ``n`` ids searches for victims: ``pinned_bound + n`` of the
+        evictable range ``[num_permanent, num_slots)`` from a clock hand that moves ``n``
+        slots per plan (sampled LRU/LFU, as the host planner's ``SlotRanking``; FBGEMM's
+        cache is set-associative for the same reason). Its size is known on the host and
+        follows the ids in flight, never the cache: a plan costs O(ids).
+
+        Why it always holds a victim for every miss of a batch that ``surely_fits``: at most
+        ``pinned_bound`` of its slots are pinned by other batches and at most ``n - misses``
+        by this batch's own hits, so ``pinned_bound + n`` slots leave ``misses`` evictable.
+        (Permanent slots are the first ``num_permanent``, outside the range.)"""
+        start, span = self._num_permanent, self.num_slots - self._num_permanent
+        w = min(span, self.pinned_bound + n)
+        if w <= 0:  # nothing evictable: one blocked candidate (the trash slot) keeps shapes valid
+            return torch.full((1,), self.trash, dtype=torch.int64, device=self.device)
+        window = torch.arange(self._hand, self._hand + w, dtype=torch.int64, device=self.device)
+        if self._hand + w > span:
+            window = torch.remainder(window, span)
+        self._hand = (self._hand + n) % span
+        return window + start if start else window
+
+    def _rank(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per slot of ``slots``, its eviction rank (lower goes first); pinned, permanent and
+        trash slots rank ``_NEVER``. Never-used slots have ``last_used == 0`` and go first."""
+        rank = self.d_last_used.index_select(0, slots)
         if self.d_row_freq is not None:
-            freq = self.d_row_freq.index_select(0, self.d_slot_to_row.clamp(min=0))
-            rank = torch.where(self.d_slot_to_row >= 0, (freq << 32) + rank, rank)
-        return torch.where((self.d_pins > 0) | self.d_blocked, _NEVER, rank)
+            rows = self.d_slot_to_row.index_select(0, slots)
+            freq = self.d_row_freq.index_select(0, rows.clamp(min=0)).to(torch.int64)
+            rank = torch.where(rows >= 0, (freq << 32) + rank, rank)
+        blocked = (self.d_pins.index_select(0, slots) > 0) | self.d_blocked.index_select(0, slots)
+        return rank.masked_fill(blocked, _NEVER)
 
     def _plan_preload(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Maps the rows resident from the start (every row of a full cache, or the hot rows);
@@ -328,7 +402,7 @@ class DeviceTieredTable(TieredTable):
         hot = self._hot_rows.to(dev, non_blocking=True)
         slots = torch.arange(hot.shape[0], dtype=torch.int64, device=dev)
         self.d_slot_to_row.index_copy_(0, slots, hot)
-        self.d_row_to_slot.index_copy_(0, hot, slots)
+        self.d_row_to_slot.index_copy_(0, hot, slots.to(self.d_row_to_slot.dtype))
         self.d_blocked.index_fill_(0, slots, True)
         return hot, slots
 
@@ -390,20 +464,25 @@ class DeviceTieredTable(TieredTable):
         class); fixed-shape, on the device."""
         if plan.stage == "done":
             return
-        trash, sentinel = self.trash, self.sentinel
-        filled = plan.fill_rows != sentinel
+        self._check_owner(claim=False)
+        sentinel = self.sentinel
+        _, pad_rows, pad_slots = self._pads(int(plan.fill_rows.shape[0]))
+        filled = plan.fill_rows < sentinel
         mapped = filled & (self.d_row_to_slot.index_select(0, plan.fill_rows) == plan.fill_slots)
-        self.d_row_to_slot.index_copy_(0, torch.where(mapped, plan.fill_rows, sentinel),
-                                       torch.where(mapped, -1, torch.full_like(plan.fill_slots, trash)))
-        gone = torch.where(mapped, plan.fill_slots, trash)
-        self.d_slot_to_row.index_copy_(0, gone, torch.where(mapped, -1, torch.full_like(gone, sentinel)))
+        self.d_row_to_slot.index_copy_(0, torch.where(mapped, plan.fill_rows, pad_rows),
+                                       torch.where(mapped, -1, pad_slots).to(self.d_row_to_slot.dtype))
+        gone = torch.where(mapped, plan.fill_slots, pad_slots)
+        self.d_slot_to_row.index_copy_(0, gone, torch.where(mapped, -1, pad_rows))
         self.d_blocked.index_fill_(0, gone, False)
         self._bind_trash()
         if plan.stage == "planned":
-            wb = plan.writeback_rows != sentinel
-            self.d_slot_to_row.index_copy_(0, plan.writeback_slots, torch.where(wb, plan.writeback_rows, sentinel))
-            self.d_row_to_slot.index_copy_(0, plan.writeback_rows, torch.where(wb, plan.writeback_slots, trash))
-            self.d_dirty.index_fill_(0, plan.writeback_slots, True)
+            _, pad_rows, pad_slots = self._pads(int(plan.writeback_rows.shape[0]))
+            wb = plan.writeback_rows < sentinel
+            wb_rows = torch.where(wb, plan.writeback_rows, pad_rows)
+            wb_slots = torch.where(wb, plan.writeback_slots, pad_slots)
+            self.d_slot_to_row.index_copy_(0, wb_slots, wb_rows)
+            self.d_row_to_slot.index_copy_(0, wb_rows, wb_slots.to(self.d_row_to_slot.dtype))
+            self.d_dirty.index_fill_(0, wb_slots, True)
             self._bind_trash()
         if plan.preload:
             self._preload_pending = True
@@ -430,16 +509,15 @@ class DeviceTieredTable(TieredTable):
             self._masked_update(plan.slots, row_grads, step, ok, plan.rows)
         else:  # overflow (its sizes were read when it was planned): the exact host path
             in_cache = plan.slots < plan.overflow_base
-            cached = torch.where(in_cache, plan.slots, self.trash)
+            cached = torch.where(in_cache, plan.slots, self._pads(plan.n)[2])
             self._masked_update(cached, row_grads * in_cache.unsqueeze(1), step, ok, plan.rows)
             over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)  # type: ignore[union-attr]
             ranks = (plan.slots - plan.overflow_base).clamp(min=0)
             order = torch.argsort(torch.where(in_cache, plan.n, ranks), stable=True).narrow(0, 0, plan.num_overflow)
-            grads = row_grads.index_select(0, order)
-            if ok is None or bool(ok):
-                self._update_host(over.to("cpu"), grads, step)
-        self.d_dirty.index_fill_(0, torch.where(plan.slots < self.num_slots, plan.slots, self.trash), True)
-        self.d_dirty.narrow(0, self.trash, 1).fill_(False)
+            self._update_overflow(over, row_grads.index_select(0, order), step, ok)
+        self.d_dirty.index_fill_(0, torch.where(plan.slots < self.num_slots, plan.slots,
+                                                self._pads(plan.n)[2]), True)
+        self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
         self.stats.updates += 1
         self.release(plan)
 
@@ -452,6 +530,26 @@ class DeviceTieredTable(TieredTable):
             f"which ended its pins; the device planner cannot update rows that may have moved since (nothing "
             f"was updated). Call backward before the next forward, or use the sharder's planner='host'"
         )
+
+    def _update_overflow(self, rows: torch.Tensor, grads: torch.Tensor, step: int,
+                         ok: Optional[torch.Tensor]) -> None:
+        """The fused update of overflow rows (held only in the host tier): gathered onto the
+        device and updated there by the same ops as the cache's rows, then written back. On
+        CUDA the host's arithmetic would differ from the device's in the last bits, so a row
+        would train differently depending on whether it overflowed: the cache size would
+        change results. (The overflow path reads its sizes on the host anyway.)"""
+        host_rows = rows.to("cpu")
+        dev = self.device
+        parts = [p.to(dev, non_blocking=True) for p in self.gather_host(host_rows)]
+        old = dict(zip(["weight", *self.host_state], parts))
+        new = {k: v.clone() for k, v in old.items()}
+        weight = new.pop("weight")
+        local = torch.arange(host_rows.shape[0], device=dev)
+        update_rows(self.optimizer, weight, new, local, grads, step, self._stochastic_rows(rows, dev))
+        new["weight"] = weight
+        for key, host in zip(["weight", *self.host_state], [self.host_weight, *self.host_state.values()]):
+            value = new[key] if ok is None else torch.where(ok, new[key], old[key])
+            host.index_copy_(0, host_rows, value.to("cpu"))
 
     def count_forward(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
         """The base class's rule (the step counter advances on every forward, as FBGEMM's),
@@ -510,10 +608,11 @@ class DeviceTieredTable(TieredTable):
         """Unpins the plan's slots (idempotent; fixed-shape, on the device)."""
         if plan.released:
             return
+        self._check_owner(claim=False)
         plan.released = True
         self._bounds.pop(id(plan), None)
         if not self.holds_every_row:
-            cached = torch.where(plan.slots < self.num_slots, plan.slots, self.trash)
+            cached = torch.where(plan.slots < self.num_slots, plan.slots, self._pads(plan.n)[2])
             self.d_pins.index_add_(0, cached, torch.full_like(cached, -1))
         self._in_flight -= 1
 
@@ -531,6 +630,7 @@ class DeviceTieredTable(TieredTable):
     def _whole_cache_plans(self, chunk: int, fills: bool) -> List[DeviceFetchPlan]:
         """One plan per ``chunk`` slots: the occupied slots filled from the host tier
         (``fills``) or the dirty ones written back; either way every slot ends clean."""
+        self._check_owner(claim=False)
         plans = []
         dev, sentinel, trash = self.device, self.sentinel, self.trash
         for start in range(0, self.num_slots, chunk):
@@ -558,6 +658,7 @@ class DeviceTieredTable(TieredTable):
         return bool(self.d_dirty.any())
 
     def invalidate(self) -> None:
+        self._check_owner(claim=False)
         if self.in_flight:
             raise StoreStateError(
                 f"table '{self.name}': cannot invalidate the cache while {self._in_flight} "
@@ -584,12 +685,13 @@ class DeviceTieredTable(TieredTable):
     def check_invariants(self, expect_drained: bool = False) -> None:
         """Reads the device bookkeeping on the host (tests and debug checks only)."""
         s2r = self.d_slot_to_row.cpu()
-        r2s = self.d_row_to_slot.cpu()
+        r2s = self.d_row_to_slot.cpu().to(torch.int64)
         pins = self.d_pins.narrow(0, 0, self.num_slots).cpu()
         dirty = self.d_dirty.narrow(0, 0, self.num_slots).cpu()
         problems = []
-        if int(s2r[self.trash]) != self.sentinel or int(r2s[self.sentinel]) != self.trash:
-            problems.append("the trash slot and the sentinel row came apart")
+        j = torch.arange(SPREAD)
+        if not (torch.equal(s2r[self.trash:], j + self.sentinel) and torch.equal(r2s[self.sentinel:], j + self.trash)):
+            problems.append("the trash slots and the sentinel rows came apart")
         occ = torch.nonzero(s2r[: self.num_slots] >= 0).flatten()
         rows = s2r[occ]
         if rows.numel() != torch.unique(rows).numel():

@@ -245,7 +245,11 @@ def stochastic_round_fp16(x: torch.Tensor, random_bits: torch.Tensor) -> torch.T
     """
     bits = x.contiguous().view(torch.int32)
     sign_exponent = bits & _FP16_MAX_EXPONENT_BITS
-    noisy = (sign_exponent | (random_bits >> 19).to(torch.int32)).view(torch.float32)
+    if random_bits.dtype == torch.int32:  # (the same 32 bits, two's complement: shift logically)
+        noise = (random_bits >> 19) & 0x1FFF
+    else:
+        noise = (random_bits >> 19).to(torch.int32)
+    noisy = (sign_exponent | noise).view(torch.float32)
     return _fp16_toward_zero(x + (noisy - sign_exponent.view(torch.float32)))
 
 
@@ -278,12 +282,38 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def rounding_bits(seed: int, step: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
     """``[len(rows), dim]`` random 32-bit values (int64), a pure function of
     ``(seed, step, row, column)``: reproducible, and the same whichever slot holds a row."""
+    return rounding_bits32(seed, step, rows, dim).to(torch.int64) & _M32
+
+
+def rounding_bits32(seed: int, step: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """:func:`rounding_bits` as int32 (the same 32 bits, two's complement). The per-row and
+    per-column hashes are vectors; only the last mix runs over ``[len(rows), dim]``, in
+    int32 (its multiplications wrap modulo 2**32 as the hash needs): 12 elementwise ops on
+    4-byte values, where the int64 form needs 19 on 8-byte ones (issue 30, item 6)."""
     # The key is a host scalar: nothing here waits for the device.
     key = int(_mix32(_mix32(torch.tensor(step & _M32)) ^ (seed & _M32)))
     rows = rows.to(torch.int64)
     per_row = _mix32(_mix32((rows & _M32) ^ key) ^ ((rows >> 32) & _M32))
     columns = _mix32(torch.arange(dim, dtype=torch.int64, device=rows.device) * 0x9E3779B9 & _M32)
-    return _mix32(per_row.unsqueeze(1) ^ columns)
+    return _mix32_int32(_to_int32(per_row).unsqueeze(1) ^ _to_int32(columns))
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``[0, 2**32)`` (int64) as the int32 with the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+_MIX_1 = 0x7FEB352D
+_MIX_2 = 0x846CA68B - 2**32  # (as a signed 32-bit constant)
+
+
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix32` on int32 bit patterns: logical shifts are arithmetic shifts masked."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MIX_1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MIX_2
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def round_rows(
@@ -300,7 +330,7 @@ def round_rows(
     if dtype == values.dtype:
         return values
     if dtype == torch.float16 and stochastic_rows is not None:
-        return stochastic_round_fp16(values, rounding_bits(seed, step, stochastic_rows, values.shape[1]))
+        return stochastic_round_fp16(values, rounding_bits32(seed, step, stochastic_rows, values.shape[1]))
     return values.to(dtype)
 
 

@@ -47,12 +47,23 @@ class _HostReadGuard(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: List[str] = []  # every op seen, for tests that want to know what ran
+        self._setup = False
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[None]:
+        """Lets uploads through while objects are built (construction is not the step,
+        and uploads its constants once); every other check stays on."""
+        self._setup = True
+        try:
+            yield
+        finally:
+            self._setup = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = str(func)
         self.ops.append(name)
-        if func is _aten._to_copy.default:
+        if func is _aten._to_copy.default and not self._setup:
             src, target = args[0], kwargs.get("device")
             if _is_device(src) and target is not None and torch.device(target).type == "cpu":
                 raise HostSyncError(f"{name}: a device tensor {tuple(src.shape)} is copied to the host")
@@ -63,7 +74,7 @@ class _HostReadGuard(TorchDispatchMode):
             dst, src = args[0], args[1]
             if _is_device(src) and not _is_device(dst):
                 raise HostSyncError(f"{name}: a device tensor {tuple(src.shape)} is copied into host memory")
-            if _is_device(dst) and not _is_device(src):
+            if _is_device(dst) and not _is_device(src) and not self._setup:
                 self._upload(src, dst.device, args[2] if len(args) > 2 else kwargs.get("non_blocking", False),
                              name, dst.dtype)
                 return dst
