@@ -72,11 +72,18 @@ def test_the_largest_temporary_follows_the_ids(small_and_large):
 
 
 PLAN_LAUNCH_BOUND = 30  # per group per step; FBGEMM's UVM cache path launches about 10
+# What eager ATen ops reach today (104): issue 30 item 3 stays open until the bound above
+# holds; this one keeps the count from growing meanwhile.
+PLAN_LAUNCHES_TODAY = 104
 
 
-@pytest.mark.xfail(strict=True, reason="issue 30 item 3: ~100 small ATen ops per plan")
+@pytest.mark.xfail(strict=True, reason="issue 30 item 3 (open): ~100 small ATen ops per plan, target 30")
 def test_planning_launches_per_group_step_are_bounded(small_and_large):
     assert small_and_large[0]["plan"].launches <= PLAN_LAUNCH_BOUND, small_and_large[0]["plan"].launch_names
+
+
+def test_planning_launches_per_group_step_do_not_grow(small_and_large):
+    assert small_and_large[0]["plan"].launches <= PLAN_LAUNCHES_TODAY, small_and_large[0]["plan"].launch_names
 
 
 def test_fp16_stochastic_rounding_touches_few_bytes_per_value():
