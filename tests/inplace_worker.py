@@ -184,7 +184,7 @@ def check_pins_without_gc(rank: int, world_size: int, load_factor: float, droppe
     }
 
 
-def check_late_backward(rank: int, world_size: int, load_factor: float) -> Dict[str, Any]:
+def check_late_backward(rank: int, world_size: int, load_factor: float, planner: str = "host") -> Dict[str, Any]:
     """Two training forwards, then one backward of their summed losses (the second forward
     ends the first one's pins): parameters as stock's."""
     configs = tables(2, rows=200, dim=8)
@@ -194,7 +194,7 @@ def check_late_backward(rank: int, world_size: int, load_factor: float) -> Dict[
     gc.disable()
     try:
         for side in ("stock", "proactive"):
-            kwargs = {} if side == "stock" else {"cache_load_factor": load_factor}
+            kwargs = {} if side == "stock" else {"cache_load_factor": load_factor, "planner": planner}
             dmp, opt = build(side, fresh(configs), _table_wise(world_size), RW_ADAGRAD, world_size, seed, **kwargs)
             for a, b in pairs:
                 opt.zero_grad()
@@ -219,6 +219,7 @@ CHECKS = {
     "inplace_writes": check_inplace_writes,
     "pins_without_gc": check_pins_without_gc,
     "late_backward": check_late_backward,
+    "late_backward_device_planner": check_late_backward,
 }
 
 

@@ -41,6 +41,7 @@ def _checks(tmp, world_size, sharding):
         "inplace_writes": {"ckpt_dir": str(tmp), "depth": 2, "load_factor": 0.3, "sharding": sharding},
         "pins_without_gc": {"load_factor": 0.35, "dropped": 30},
         "late_backward": {"load_factor": 0.1},
+        "late_backward_device_planner": {"load_factor": 0.1, "planner": "device"},
     }
 
 
@@ -83,9 +84,10 @@ def _assert_pins(results):
 
 
 def _assert_late_backward(results):
-    for res in _ok(results, "late_backward"):
-        assert res["param_diff"] < TOL, res
-        assert res["late_updates"] > 0 and res["in_flight_end"] == 0, res
+    for name in ("late_backward", "late_backward_device_planner"):
+        for res in _ok(results, name):
+            assert res["param_diff"] < TOL, (name, res)
+            assert res["late_updates"] > 0 and res["in_flight_end"] == 0, (name, res)
 
 
 @pytest.mark.multiprocess

@@ -502,9 +502,9 @@ class DeviceTieredTable(TieredTable):
             raise InvalidInputError(
                 f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match ({plan.n}, {self.dim})"
             )
-        if plan.released:
-            self.refuse_late_update()
         step = plan.optimizer_step or self._advance_step()  # (FBGEMM's rule: see count_forward)
+        if plan.released:
+            plan, row_grads = self._plan_again(plan, row_grads)
         if plan.overflow_rows is None or plan.num_overflow == 0:
             self._masked_update(plan.slots, row_grads, step, ok, plan.rows)
         else:  # overflow (its sizes were read when it was planned): the exact host path
@@ -521,15 +521,25 @@ class DeviceTieredTable(TieredTable):
         self.stats.updates += 1
         self.release(plan)
 
-    def refuse_late_update(self) -> None:
-        """Raises for an update whose plan's pins ended before it came. (The host planner
-        plans such rows again: ``TieredTable._plan_again``; a device plan's rows are padded
-        and its overflow sizes are read at plan time, so that path is not there yet.)"""
-        raise StoreStateError(
-            f"table '{self.name}': the backward of a lookup came after the module's next training forward, "
-            f"which ended its pins; the device planner cannot update rows that may have moved since (nothing "
-            f"was updated). Call backward before the next forward, or use the sharder's planner='host'"
-        )
+    def _plan_again(self, plan: DeviceFetchPlan, row_grads: torch.Tensor  # type: ignore[override]
+                    ) -> Tuple[DeviceFetchPlan, torch.Tensor]:
+        """The base class's rule for an update whose pins ended before it came: the plan's
+        rows (padding included: sentinel rows, zero gradients) are planned again with
+        overflow allowed and moved in their turn; the gradients follow each row to its place
+        in the new plan. A slow path (the overflow plan reads its sizes on the host)."""
+        self._require_mover()
+        again = self.plan_ids(plan.rows, None, overflow=True, check_ids=False)
+        try:
+            self.move_now([again])  # type: ignore[misc]
+        except BaseException:
+            self.release(again)
+            raise
+        # Row i of the old plan is row inverse[i] of the new one (real rows are unique; the
+        # padding's sentinel rows share one entry and carry zero gradients).
+        moved = torch.zeros((again.n, self.dim), dtype=row_grads.dtype, device=row_grads.device)
+        moved.index_add_(0, again.inverse, row_grads)
+        self.stats.late_updates += 1
+        return again, moved
 
     def _update_overflow(self, rows: torch.Tensor, grads: torch.Tensor, step: int,
                          ok: Optional[torch.Tensor]) -> None:

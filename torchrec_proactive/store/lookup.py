@@ -292,9 +292,6 @@ def update_group(
         if w is not None:
             psw_grads.append(grad_psw)
     if any(isinstance(b.table, DeviceTieredTable) for b in batches):
-        for b in batches:  # (refused before any table of the group changes)
-            if b.plan.released:
-                b.table.refuse_late_update()  # type: ignore[attr-defined]
         # Device tables: the all-or-nothing rule without a host read. The group's update
         # is computed and kept only where every gradient is finite; a skip is counted on
         # the device and reported at a later step (DeviceTieredTable.poll_skipped).

@@ -604,7 +604,7 @@ class TieredTable:
             self.steps += 1
             step = int(self.steps)
         if plan.released:
-            plan = self._plan_again(plan)
+            plan, row_grads = self._plan_again(plan, row_grads)
         if not plan.num_overflow:
             self._update_cache(plan.device_slots(), row_grads, step, plan.rows)
             self._dirty[plan.slots.numpy()] = True
@@ -617,25 +617,29 @@ class TieredTable:
         self.stats.updates += 1
         self.release(plan)
 
-    def _plan_again(self, plan: FetchPlan) -> FetchPlan:
+    def _plan_again(self, plan: FetchPlan, row_grads: torch.Tensor) -> "tuple[FetchPlan, torch.Tensor]":
         """A plan whose pins ended before its update came (its owner's next training forward
         came first): its rows may have been evicted or be about to move. They are planned
         again (rows that do not fit are updated in the host tier) and moved in their turn
         behind every queued move, so the update lands where each row is - the same result
-        as an update while pinned, on the critical path."""
+        as an update while pinned, on the critical path. (The same rows, in the same order:
+        the gradients stay as they are.)"""
+        self._require_mover()
+        again = self._plan(plan.rows, None, overflow=True)
+        try:
+            self.move_now([again])  # type: ignore[misc]
+        except BaseException:
+            self.release(again)
+            raise
+        self.stats.late_updates += 1
+        return again, row_grads
+
+    def _require_mover(self) -> None:
         if self.move_now is None:
             raise StoreStateError(
                 f"table '{self.name}': the update of a batch came after its rows were released, and this "
                 f"store has no fetch engine to bring them back (set move_now)"
             )
-        again = self._plan(plan.rows, None, overflow=True)
-        try:
-            self.move_now([again])
-        except BaseException:
-            self.release(again)
-            raise
-        self.stats.late_updates += 1
-        return again
 
     def has_dirty(self) -> bool:
         """Whether some cached row holds an update the host tier lacks."""
