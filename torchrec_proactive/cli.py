@@ -196,6 +196,10 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     """``gen-data``: writes the TSV files (and ``spec.json``) into ``--out-dir``."""
     from pathlib import Path
 
+    from .quiet import quiet_third_party
+
+    quiet_third_party()  # (--preprocess runs TorchRec's Criteo pipes: their pickle note)
+
     from .data import SyntheticCriteoSpec, generate
 
     try:

@@ -425,13 +425,19 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         (fetches and write-backs, optimizer state included; host-tier reads of overflow rows
         are not moves), ``deferred_batches`` (prefetches that waited for pins, per module),
         ``overflow_rows`` (rows served from the host tier), ``plan_s`` / ``plan_cpu_s``
-        (planning wall / CPU seconds). On CPU without an emulated link (``link=None``) fetches
-        are in-process copies, so ``stall_s`` stays near 0 even at depth 0.
+        (planning wall / CPU seconds), ``late_updates`` (backwards that came after their
+        module's next training forward, whose rows were planned again: see the README's pin
+        rule) and ``external_writes`` (in-place writes into the exposed tensors that the
+        cache picked up). On CPU without an emulated link (``link=None``) fetches are
+        in-process copies, so ``stall_s`` stays near 0 even at depth 0.
         """
         total: Dict[str, float] = {}
         for module in self._proactive_modules:
             for key, value in module.proactive_stats.snapshot().items():
                 total[key] = total.get(key, 0) + value
+            for kernel in module.proactive_kernels:
+                for key in ("late_updates", "external_writes"):
+                    total[key] = total.get(key, 0) + getattr(kernel.store.stats, key)
         if total.get("rows_requested"):
             total["hit_rate"] = total["hits"] / total["rows_requested"]
         return total
