@@ -60,12 +60,18 @@ def profile_here(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[Embeddin
     found = load_profile(path, fp)
     if found is not None:
         return found[0], path, True
-    curves = profile_batches(_global_batches(pre, cfg, world_size), tables, depth=depth,
-                             warmup=min(cfg.cache.profile_batches // 5, 50))
+    batches = list(_global_batches(pre, cfg, world_size))
+    # The warm-up (batches that only fill the cache) is a share of what was read: the
+    # training split may hold fewer batches than cache.profile_batches asks for.
+    warmup = min(len(batches) // 5, 50)
+    curves = profile_batches(batches, tables, depth=depth, warmup=warmup)
     save_profile(path, curves, fp, {"world_size": world_size, "global_batch": cfg.train.batch_size * world_size,
-                                    "prefetch_depth": depth, "profile_batches": cfg.cache.profile_batches})
-    log.info("cache profile: %d tables, %d global batches at depth %d -> %s", len(curves),
-             cfg.cache.profile_batches, depth, path)
+                                    "prefetch_depth": depth, "profile_batches": cfg.cache.profile_batches,
+                                    "batches_read": len(batches), "warmup_batches": warmup})
+    short = (f" (cache.profile_batches={cfg.cache.profile_batches}: the training split holds only {len(batches)})"
+             if len(batches) < cfg.cache.profile_batches else "")
+    log.info("cache profile: %d tables, %d global batches read%s, the first %d only warm the cache, at depth %d -> %s",
+             len(curves), len(batches), short, warmup, depth, path)
     return curves, path, False
 
 
