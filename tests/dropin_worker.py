@@ -651,13 +651,16 @@ CHECKS: Dict[str, Callable[..., Dict[str, Any]]] = {
 }
 
 
-def run_checks(rank: int, world_size: int, checks: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """Runs ``{check name: kwargs}`` in order; each outcome is ``{"ok": result}`` or ``{"error": text}``."""
+def run_checks(rank: int, world_size: int, checks: Dict[str, Dict[str, Any]],
+               registry: Optional[Dict[str, Callable[..., Any]]] = None) -> Dict[str, Any]:
+    """Runs ``{check name: kwargs}`` in order (from ``registry``, default this module's
+    ``CHECKS``); each outcome is ``{"ok": result}`` or ``{"error": text}``."""
+    registry = CHECKS if registry is None else registry
     out: Dict[str, Any] = {}
     for name, kwargs in checks.items():
         print(f"[rank {rank}] check {name}", file=sys.stderr, flush=True)
         try:
-            out[name] = {"ok": CHECKS[name](rank=rank, world_size=world_size, **kwargs)}
+            out[name] = {"ok": registry[name](rank=rank, world_size=world_size, **kwargs)}
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # e.g. DCP's CheckpointException

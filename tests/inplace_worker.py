@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
-import traceback
 from typing import Any, Dict, List
 
 import torch
-import torch.distributed as dist
 
 from .dropin_worker import (
     RW_ADAGRAD,
@@ -32,6 +29,7 @@ from .dropin_worker import (
     max_diff,
     params,
     pipeline_for,
+    run_checks as run_dropin_checks,
     seed_model,
     tables,
 )
@@ -224,15 +222,5 @@ CHECKS = {
 
 
 def run_checks(rank: int, world_size: int, checks: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """``{check: kwargs}`` -> ``{check: {"ok": ...} | {"error": ...}}`` (as tests/dropin_worker.py's)."""
-    out: Dict[str, Any] = {}
-    for name, kwargs in checks.items():
-        try:
-            out[name] = {"ok": CHECKS[name](rank=rank, world_size=world_size, **kwargs)}
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # e.g. DCP's CheckpointException
-            out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
-            print(f"[rank {rank}] check {name} failed: {out[name]['error']}", file=sys.stderr, flush=True)
-        dist.barrier()
-    return out
+    """``{check: kwargs}`` -> ``{check: {"ok": ...} | {"error": ...}}`` (tests/dropin_worker.py's runner)."""
+    return run_dropin_checks(rank, world_size, checks, registry=CHECKS)
