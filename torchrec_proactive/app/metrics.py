@@ -63,6 +63,7 @@ class Window:
         wall = elapsed_sum / self.world_size  # mean over ranks
         return {
             "steps": step - self.start_step,
+            "from_step": self.start_step,  # the window is steps (from_step, from_step + steps]
             "samples_per_s": steps * self.batch_size * self.world_size / max(wall, 1e-9),
             "step_ms": wall / steps * 1e3,
             "stall_ms_per_step": stall / self.world_size / steps * 1e3,

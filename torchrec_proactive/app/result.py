@@ -28,7 +28,8 @@ class TrainResult:
     """What a training run reports; the schema of the final JSON line."""
 
     steps: int
-    """Training steps done in total, counted across resumes."""
+    """Training steps done in total, counted across resumes in this run's steps (a checkpoint
+    written on another world size counts as the samples it holds)."""
     prefetch_depth: int
     """Prefetch depth at the end (with ``prefetch=auto``: the depth it chose; 0 = reactive)."""
     train_loss: Optional[float]

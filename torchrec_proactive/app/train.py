@@ -99,6 +99,9 @@ def describe_link(cfg: Config) -> str:
 def format_steady(w: Dict[str, Any]) -> str:
     if not w:
         return "no steady-state window"
-    return (f"{w['samples_per_s']:.0f} samples/s, {w['step_ms']:.1f} ms/step, stall "
+    # Which steps: the figures are not those of the last log window (the first steps, lazy
+    # init and cold caches, are left out; a resumed run counts only what it trained).
+    span = f"over steps {w['from_step'] + 1}-{w['from_step'] + w['steps']}: " if "from_step" in w else ""
+    return (f"{span}{w['samples_per_s']:.0f} samples/s, {w['step_ms']:.1f} ms/step, stall "
             f"{w['stall_ms_per_step']:.2f} ms/step, hit rate {w['hit_rate']:.3f}")
 
