@@ -1,0 +1,227 @@
+"""A real two-node Slurm cluster (scripts/slurm_cluster.sh: munge, slurmdbd, slurmctld, two
+slurmd on this machine): ``torchx run -s slurm proactive.train -j 2x1`` trains on both nodes,
+and the faults a cluster owner asks about cost nothing.
+
+One cluster per test run (session fixture), stopped by process id at the end. Every run uses
+the same small config: one epoch of ci_tiny (18 steps on 2 ranks), a checkpoint every 4
+steps, ``train.resume=true`` (a fresh run starts from scratch), and a slow emulated link at
+prefetch depth 0 so that a step takes ~0.1 s and a fault lands between two checkpoints.
+Each run's final checkpoint tensors are compared with those of an uninterrupted ``local_cwd``
+run of the same config on 2 ranks: bit-identical on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # torchx and torchrun of this environment
+SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
+DAEMONS = ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd", "sacct")
+STEPS = 18  # ci_tiny, one epoch on 2 ranks (batch 64)
+FINAL = f"step_{STEPS:08d}"
+
+pytestmark = pytest.mark.slurm
+
+
+def _overrides(data: Path, out: Path) -> List[str]:
+    return ["experiment=ci_tiny", f"data.root={data}", f"train.output_dir={out}", "train.epochs=1",
+            "train.checkpoint_every=4", "train.resume=true", "train.log_every=1",
+            "prefetch.depth=0", "link.latency_us=100000"]
+
+
+def _free_base_port() -> int:
+    """A base port P with P..P+4 free (the cluster's daemons)."""
+    for base in range(17100, 30000, 10):
+        try:
+            for p in range(base, base + 5):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port block for the test cluster")
+
+
+@dataclass
+class Cluster:
+    directory: Path
+    env: Dict[str, str]  # SLURM_CONF, PATH, PYTHONPATH ... for torchx, sbatch, sacct
+    data: Path  # one generated data set for every run
+
+    def sh(self, *args: str, timeout: float = 60) -> str:
+        return subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout,
+                              check=True).stdout
+
+    def script(self, *args: str) -> str:
+        return self.sh("bash", str(SCRIPT), *args, timeout=120)
+
+    def submit(self, cwd: Path, out: Path, j: str = "2x1", max_restarts: int = 0,
+               extra: Optional[List[str]] = None) -> str:
+        """``torchx run -s slurm``; returns the app handle (``slurm://torchx/<job id>``)."""
+        cwd.mkdir(parents=True, exist_ok=True)
+        cmd = [str(BIN / "torchx"), "run", "-s", "slurm", "--scheduler_args", "partition=debug,time=10",
+               "proactive.train", "-j", j, "--memMB", "1024", "--cpu", "1", "--rdzv_port", str(_free_base_port()),
+               "--max_restarts", str(max_restarts), *_overrides(self.data, out), *(extra or [])]
+        proc = subprocess.run(cmd, cwd=cwd, env=self.env, capture_output=True, text=True, timeout=120)
+        handle = re.search(r"^(slurm://\S+/\d+)$", proc.stdout, re.M)
+        assert proc.returncode == 0 and handle, proc.stdout + proc.stderr
+        return handle.group(1)
+
+    def status(self, handle: str) -> str:
+        """``torchx status``'s state (it reads ``sacct``, i.e. the accounting database)."""
+        text = self.sh(str(BIN / "torchx"), "status", handle)
+        match = re.search(r"State:\s*(\w+)", text)
+        return match.group(1) if match else "UNKNOWN"
+
+    def wait(self, handle: str, timeout: float = 240) -> str:
+        deadline = time.monotonic() + timeout
+        state = "UNKNOWN"
+        while time.monotonic() < deadline:
+            state = self.status(handle)
+            if state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                return state
+            time.sleep(1.0)
+        raise AssertionError(f"{handle} still {state} after {timeout:.0f} s")
+
+    def logs(self, cwd: Path) -> str:
+        """The job's Slurm output files (``slurm-<id>*.out``/``.err`` in the submit directory)."""
+        return "\n".join(p.read_text(errors="replace") for p in sorted(cwd.glob("slurm-*")))
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory):
+    missing = [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
+    if missing:
+        pytest.skip(f"Slurm/munge/MariaDB not installed ({', '.join(missing)}): .ci/run installs them")
+    directory = tmp_path_factory.mktemp("slurm")
+    env = dict(os.environ, PROACTIVE_SLURM_DIR=str(directory), PROACTIVE_SLURM_PORT=str(_free_base_port()),
+               PATH=f"{BIN}{os.pathsep}/usr/sbin{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+               SLURM_CONF=str(directory / "slurm.conf"))
+    cluster = Cluster(directory, env, tmp_path_factory.mktemp("slurm_data"))
+    try:
+        cluster.script("start")
+        yield cluster
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, timeout=180)
+        left = [p.name for p in (directory / "pids").glob("*")]
+        assert not left, f"daemons not stopped: {left}"
+
+
+@pytest.fixture(scope="session")
+def reference(slurm: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, torch.Tensor]:
+    """The final checkpoint of an uninterrupted ``torchx run -s local_cwd`` on 2 ranks."""
+    work = tmp_path_factory.mktemp("local_cwd")
+    out = work / "run"
+    cmd = [str(BIN / "torchx"), "run", "-s", "local_cwd", "-cfg", f"log_dir={work / 'logs'}",
+           "proactive.train", "-j", "1x2", *_overrides(slurm.data, out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "SUCCEEDED" in proc.stdout + proc.stderr, proc.stderr[-4000:]
+    return _tensors(out / "checkpoints" / FINAL)
+
+
+def _tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, whole (DCP's own conversion, no process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = step_dir.parent / f"{step_dir.name}.pt"
+    dcp_to_torch_save(str(step_dir), str(target))
+    flat: Dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix[:-1]] = value
+
+    walk("", torch.load(target, weights_only=False))
+    target.unlink()
+    return flat
+
+
+def _assert_same(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    assert any(k.startswith("model.") for k in want) and any(k.startswith("optimizer.") for k in want)
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ from the uninterrupted run, e.g. {differ[:3]}"
+
+
+def _rank_log(out: Path, rank: int = 0) -> str:
+    return (out / f"rank_{rank}" / "train.log").read_text()
+
+
+def _complete(out: Path) -> List[str]:
+    return sorted(p.parent.name for p in (out / "checkpoints").glob("step_*/MANIFEST.json"))
+
+
+def _step(out: Path) -> int:
+    """The last step rank 0 recorded."""
+    path = out / "rank_0" / "metrics.jsonl"
+    steps = [0]
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            if record.get("kind") == "step":
+                steps.append(record["step"])
+    return max(steps)
+
+
+def _until(predicate, timeout: float = 180, every: float = 0.02, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def _worker_pids(out: Path, rank: Optional[int] = None) -> List[int]:
+    """The training processes (torchrun's workers, not torchrun) of the run writing ``out``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(v.split(b"=", 1) for v in (proc / "environ").read_bytes().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if f"train.output_dir={out}".encode() not in cmd or b"RANK" not in env or b"torchrun" in b" ".join(cmd):
+            continue
+        if rank is None or env[b"RANK"] == str(rank).encode():
+            pids.append(int(proc.name))
+    return pids
+
+
+# ---------------------------------------------------------------------------- the tests
+def test_torchx_slurm_trains_on_two_nodes(slurm: Cluster, reference, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    handle = slurm.submit(tmp_path, out)
+    assert slurm.wait(handle) == "SUCCEEDED", slurm.logs(tmp_path)[-6000:]
+    job = handle.rsplit("/", 1)[1]
+    # one het-job component per node, named after the role
+    rows = slurm.sh("sacct", "-j", job, "-X", "-n", "-P", "-o", "JobName,NodeList,State").split()
+    assert sorted(rows) == ["train-0|n1|COMPLETED", "train-1|n2|COMPLETED"], rows
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (out / f"rank_{rank}" / "metrics.jsonl").read_text().splitlines()]
+        assert max(r["step"] for r in records if r["kind"] == "step") == STEPS
+        assert any(r["kind"] == "eval" for r in records)
+    assert json.loads((out / "checkpoints" / FINAL / "MANIFEST.json").read_text())["world_size"] == 2
+    _assert_same(_tensors(out / "checkpoints" / FINAL), reference)
