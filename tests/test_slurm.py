@@ -286,6 +286,11 @@ def test_preempted_job_checkpoints_on_sigterm_and_resumes_when_requeued(slurm: C
     job = handle.rsplit("/", 1)[1]
     _after_checkpoint(out)
     slurm.sh("scontrol", "requeue", job)
+    # Slurm holds a requeued job back (its begin time ~2 min on); let it start now
+    _until(lambda: "PENDING" in slurm.sh("squeue", "-h", "-j", job, "-o", "%T"), timeout=120, every=0.5,
+           what="the job to be requeued")
+    for component in slurm.sh("squeue", "-h", "-j", job, "-o", "%i").split():
+        slurm.sh("scontrol", "update", f"jobid={component}", "StartTime=now")
     assert slurm.wait(handle, until=("SUCCEEDED",), timeout=300) == "SUCCEEDED", slurm.logs(tmp_path)[-6000:]
     log = _rank_log(out)
     stopped = re.search(r"SIGTERM: stopped at step (\d+) and wrote checkpoint (\S+); exiting", log)
