@@ -319,6 +319,10 @@ def test_node_lost_fails_naming_it_and_the_run_resumes_on_the_other_node(slurm: 
                every=1.0, what="slurmctld to notice n2 is gone")
         rows = slurm.sh("sacct", "-j", job, "-X", "-n", "-P", "-o", "JobName,NodeList,State").split()
         assert "train-1|n2|NODE_FAIL" in rows, rows
+        assert "srun: error: Node failure on n2" in slurm.logs(tmp_path / "first")
+        # Slurm requeued the 2-node job (torchx submits with --requeue); it cannot run without
+        # n2, and the user resubmits on the node left instead
+        slurm.sh("scancel", job)
         latest = _complete(out)[-1]
         handle = slurm.submit(tmp_path / "again", out, j="1x1")
         assert slurm.wait(handle) == "SUCCEEDED", slurm.logs(tmp_path / "again")[-6000:]
