@@ -207,7 +207,11 @@ nodes_idle() {
 
 stop() {
     # Jobs first, while slurmctld can still end them; then the daemons, newest first.
-    if alive slurmctld; then SLURM_CONF="$DIR/slurm.conf" scancel --full -u root >/dev/null 2>&1 || true; fi
+    if alive slurmctld; then
+        export SLURM_CONF="$DIR/slurm.conf"
+        scancel --full -u root >/dev/null 2>&1 || true
+        for _ in $(seq 50); do [[ -z $(squeue -h 2>/dev/null) ]] && break; sleep 0.2; done
+    fi
     local name p
     for name in slurmd-n2 slurmd-n1 slurmctld slurmdbd mariadbd munged; do
         p=$(pid_of "$name") || continue
