@@ -169,7 +169,7 @@ def _tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
         elif isinstance(value, torch.Tensor):
             flat[prefix[:-1]] = value
 
-    walk("", torch.load(target, weights_only=False))
+    walk("", torch.load(target, weights_only=True))
     target.unlink()
     return flat
 
