@@ -24,6 +24,7 @@ import os
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from .app.elastic import record_user_error, recorded
 from .app.errors import EXIT_USAGE, UserError
 
 PROG = "torchrec-proactive"
@@ -364,9 +365,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"{PROG} {command}: error: {e}", file=sys.stderr)
+        message = f"{PROG} {command}: error: {e}"
+        print(message, file=sys.stderr)
+        record_user_error(message)  # under torchrun/torchx: the root cause its summary shows
         return EXIT_USAGE
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # how torchrun and the torchx component start each rank
+    sys.exit(recorded(main)())

@@ -26,6 +26,7 @@ def train(
     h: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
     max_retries: int = 0,
+    max_restarts: int = 0,
     rdzv_port: int = 29500,
     mounts: Optional[List[str]] = None,
 ) -> specs.AppDef:
@@ -33,6 +34,7 @@ def train(
 
     Each node runs ``torchrun ... -m torchrec_proactive.cli train <script_args>``; every
     rank composes ``conf/`` with the same Hydra overrides (the run checks that they agree).
+    The role is named ``train`` (Slurm jobs ``train-0``, ``train-1``, ...).
 
     Args:
         script_args: Hydra overrides, e.g. ``experiment=kaggle_proactive data.root=/data/criteo``
@@ -45,10 +47,12 @@ def train(
         h: a registered named resource (wins over cpu, gpu and memMB)
         env: extra environment variables, e.g. ``NCCL_DEBUG=INFO``
         max_retries: scheduler retries of a failed job (resume with ``train.resume=true``)
+        max_restarts: torchrun restarts of the whole worker group when a rank fails, in the
+            same allocation (resume with ``train.resume=true``)
         rdzv_port: port of the c10d rendezvous on the first node (multi-node only)
         mounts: volumes, e.g. ``type=bind,src=/data,dst=/data`` (see the scheduler's docs)
     """
-    return dist_components.ddp(
+    app = dist_components.ddp(
         "train",
         *script_args,
         m="torchrec_proactive.cli",
@@ -64,3 +68,12 @@ def train(
         rdzv_port=rdzv_port,
         mounts=mounts,
     )
+    (role,) = app.roles
+    role.name = "train"  # ddp names the role after the module (``cli``)
+    if max_restarts:
+        # ddp has no knob for torchrun's --max-restarts; its command is ``bash -c "torchrun ..."``
+        flag, command = role.args
+        if not command.startswith("torchrun "):
+            raise RuntimeError(f"torchx's ddp component changed: its command starts {command[:40]!r}, not torchrun")
+        role.args = [flag, command.replace("torchrun ", f"torchrun --max-restarts {max_restarts} ", 1)]
+    return app

@@ -34,6 +34,7 @@ from .resume import describe_changes, describe_progress, refuse_changes
 from .saved_state import check_saved_state
 from .data import Loaders
 from .env import RankEnv
+from .preempt import EXIT_CODE, StopOnSignal
 from .warmup import DenseWarmup
 from .metrics import Window, evaluate, run_pipeline
 
@@ -114,6 +115,8 @@ class Trainer:
         self._auto_pending = False
         self._warmup_start = 0
         self._warm_marks: List[Any] = []
+        self._sigterm: Optional[StopOnSignal] = None  # installed by start(), removed by finish()
+        self._stopping = False  # all ranks agreed to stop (SIGTERM): checkpoint, then exit
 
     @property
     def steady_from(self) -> int:
@@ -219,7 +222,10 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def fit(self) -> Summary:
         self.start()
-        self.run(self.total)
+        try:
+            self.run(self.total)
+        finally:
+            self._close_sigterm()
         return self.finish()
 
     def start(self) -> None:
@@ -231,6 +237,7 @@ class Trainer:
         self._bar = tqdm(total=self.total, initial=self.pos.step, unit="step", desc="train", dynamic_ncols=True,
                          mininterval=1.0, disable=None if self.env.is_main and self.cfg.train.progress_bar else True)
         self._start_auto()
+        self._sigterm = StopOnSignal(self.env.device)
         self.lr_warmup.before_step(self.pos.step + 1)
         stats = self.pipeline.stats()
         self._window.reset(self.pos.step, stats, self.clock)
@@ -246,7 +253,11 @@ class Trainer:
                 self._batches = self._epoch_batches()
             n = self._segment_length(until)
             self._mark = time.perf_counter()
-            done = run_pipeline(self.pipeline, itertools.islice(self._batches, n), self._after_step)
+            done = run_pipeline(self.pipeline, self._unless_stopping(itertools.islice(self._batches, n)),
+                                self._after_step)
+            if self._stopping and pos.batch_in_epoch < self.data.steps_per_epoch:
+                self.save()  # mid-epoch (drained): what checkpoint_every would write here
+                self._exit_on_sigterm()
             if done != n:
                 raise RuntimeError(f"the training loader yielded {done} of {n} batches expected "
                                    f"(epoch {pos.epoch}, batch {pos.batch_in_epoch})")
@@ -264,8 +275,32 @@ class Trainer:
                 self.save(optimizer_step=counter)
             elif cfg.train.checkpoint_every and pos.step % cfg.train.checkpoint_every == 0:
                 self.save()
+            if self._stopping and pos.step < self.total:
+                self._exit_on_sigterm()  # at an epoch's end: evaluated and saved above
+
+    def _unless_stopping(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` until the ranks agree to stop; the pipeline then drains what it holds."""
+        for batch in batches:
+            if self._stopping:
+                return
+            yield batch
+
+    def _exit_on_sigterm(self) -> None:
+        """SIGTERM reached a rank and this step is checkpointed: every rank exits with 143."""
+        self._bar.close()
+        self._metrics.close()
+        self._close_sigterm()
+        self.log.warning("SIGTERM: stopped at step %d and wrote checkpoint %s; exiting (a requeued or resubmitted "
+                         "job with train.resume=true continues from it)", self.pos.step, self.summary.last_checkpoint)
+        raise SystemExit(EXIT_CODE)
+
+    def _close_sigterm(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.close()
+            self._sigterm = None
 
     def finish(self) -> Summary:
+        self._close_sigterm()
         self._bar.close()
         self._metrics.close()
         self.summary.steps = self.pos.step
@@ -314,6 +349,9 @@ class Trainer:
             self.summary.steady = self._steady.read(pos.step, self.pipeline.stats(), self.clock)
         if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total:
             self._log_window()
+            # Asked where the ranks sync anyway (not every step: on CUDA the answer syncs the stream)
+            if self._sigterm is not None and not self._stopping and pos.step < self.total:
+                self._stopping = self._sigterm.agreed()
         self._mark = time.perf_counter()  # logging's collectives are not step time
 
     def _log_window(self) -> None:
