@@ -221,7 +221,8 @@ def test_resume_is_checked_before_the_ranks_start(tmp_path: Path) -> None:
     step = tmp_path / "checkpoints" / "step_00000010"
     step.mkdir(parents=True)
     saved = dict(flatten(cfg), **{"model.embedding_dim": cfg.model.embedding_dim + 1})
-    (step / "MANIFEST.json").write_text(json.dumps({"format": 2, "step": 10, "config": saved}))
+    (step / "MANIFEST.json").write_text(json.dumps({"format": 2, "step": 10, "world_size": 1, "ranks": [{}],
+                                                    "state": {}, "created": 0.0, "config": saved}))
     with pytest.raises(UserError, match=r"cannot resume from .*step_00000010.*model\.embedding_dim"):
         check_resume(cfg)
 

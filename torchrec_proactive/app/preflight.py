@@ -92,8 +92,9 @@ def check_resume(cfg: Config) -> None:
     # a scheduler may start them without this process).
     reader = Checkpointer(checkpoint_dir(cfg), 0, 1, 0, logging.getLogger(__name__))
     try:
-        manifest = reader.verify(path)
-        refuse_changes(manifest.get("config", {}), flatten(cfg), path)
+        manifest = reader.manifest(path)
+        refuse_changes(manifest.get("config", {}), flatten(cfg), path)  # (cheap, and the likelier mistake)
+        reader.verify(path)
         reader.saved_keys(path)
     except UserError:
         raise
