@@ -184,15 +184,22 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # the training thread never reads the ids on the host (DeviceTieredTable).
         self._on_device = options.plans_on_device(self._device)
         store_type = DeviceTieredTable if self._on_device else TieredTable
+        budgets = [_num_slots(t, options) for t in tables]
         self.store = store_type(
             name="+".join(dict.fromkeys(t.name for t in tables)),  # column shards of a table: once
             host_weight=_group_host_tier(config, host_buffer, self._host_views),
             optimizer=self.optimizer_config,
-            num_slots=sum(_num_slots(t, options) for t in tables),
+            num_slots=sum(budgets),
             device=self._device,
             policy=EvictionPolicy.parse((tables[0].fused_params or {}).get("cache_algorithm", options.eviction_policy)),
             hot_rows=_group_hot_rows(tables, options),
             segments=_segments(tables),
+            # TorchRec groups tables whatever their load factors (its grouping key drops
+            # cache_load_factor): tables planned with different ones keep one store, one
+            # plan and one lookup, each table's rows in its own share of the slots. Equal
+            # load factors keep one shared cache (unchanged choices; its LRU moves slots
+            # to the hotter tables by itself). See ``table_budgets``.
+            segment_slots=budgets if _per_table_budgets(tables, options, self._on_device) else None,
         )
         # An update whose plan's pins ended early (see ``forward``) moves its rows again
         # through this module's engine, in their turn behind every queued move.
@@ -617,10 +624,24 @@ def _host_alias(uvm: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
 
+def _load_factor(table: Any, options: ProactiveOptions) -> float:
+    """The table's cache load factor: its plan's (``CacheParams``, in its fused params) or the sharder's."""
+    return float((table.fused_params or {}).get("cache_load_factor", options.cache_load_factor))
+
+
+def _per_table_budgets(tables: List[Any], options: ProactiveOptions, on_device: bool) -> bool:
+    """Whether a group's store gives each table its own share of the slots (``table_budgets``).
+    ``auto`` never does on the device planner, which does not partition its cache yet (an
+    explicit ``per_table`` there is refused by ``DeviceTieredTable``, in one line)."""
+    if len(tables) < 2 or options.table_budgets == "shared":
+        return False
+    if options.table_budgets == "per_table":
+        return True
+    return not on_device and len({_load_factor(t, options) for t in tables}) > 1
+
+
 def _num_slots(table: Any, options: ProactiveOptions) -> int:
-    fused = table.fused_params or {}
-    load_factor = float(fused.get("cache_load_factor", options.cache_load_factor))
-    return min(options.num_slots_for(table.name, table.local_rows, load_factor), table.local_rows)
+    return min(options.num_slots_for(table.name, table.local_rows, _load_factor(table, options)), table.local_rows)
 
 
 def _segments(tables: List[Any]) -> List[Segment]:
