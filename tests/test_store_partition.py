@@ -209,3 +209,58 @@ def test_the_device_planner_refuses_per_table_budgets_in_one_line():
                                                 r"\(segment_slots=\[10, 100\]\) are planned on the host only"):
         DeviceTieredTable(name="A+B", host_weight=torch.randn(300, 4), optimizer=OptimizerConfig(), num_slots=110,
                           segments=[Segment("A", 0, 100), Segment("B", 100, 200)], segment_slots=[10, 100])
+
+
+# -- the kernel: which TorchRec groups partition their store ---------------------------------
+
+def _kernel(load_factors: Dict[str, float], rows: int = 1000, planner: str = "host", table_budgets: str = "auto"):
+    """A ``ProactiveEmbeddingBag`` of one TorchRec group of tables, each with the load factor
+    its plan gave it (``CacheParams`` reach the kernel as the table's fused params)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torchrec.distributed.embedding_types import (EmbeddingComputeKernel, GroupedEmbeddingConfig,
+                                                      ShardedEmbeddingTable)
+    from torchrec.modules.embedding_configs import DataType, PoolingType
+
+    from torchrec_proactive.integration.embedding_kernel import ProactiveEmbeddingBag
+    from torchrec_proactive.integration.options import ProactiveOptions
+
+    from .device_kernel_fixture import single_rank_group
+
+    dim = 4
+    configs = []
+    for name, lf in load_factors.items():
+        shard = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[rows, dim], placement="rank:0/cpu")
+        meta = ShardedTensorMetadata(shards_metadata=[shard], size=torch.Size([rows, dim]),
+                                     tensor_properties=TensorProperties())
+        configs.append(ShardedEmbeddingTable(
+            num_embeddings=rows, embedding_dim=dim, name=name, feature_names=[f"f_{name}"], local_rows=rows,
+            local_cols=dim, pooling=PoolingType.SUM, compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING,
+            local_metadata=shard, global_metadata=meta, fused_params={"cache_load_factor": lf}))
+    config = GroupedEmbeddingConfig(data_type=DataType.FP32, pooling=PoolingType.SUM, is_weighted=False,
+                                    has_feature_processor=False,
+                                    compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING, embedding_tables=configs)
+    buffer = torch.zeros(len(configs) * rows * dim)
+    views = [buffer[i * rows * dim: (i + 1) * rows * dim].view(rows, dim) for i in range(len(configs))]
+    options = ProactiveOptions(planner=planner, table_budgets=table_budgets)
+    return ProactiveEmbeddingBag(config, views, buffer, options, {"optimizer": "exact_sgd", "learning_rate": 0.1},
+                                 FetchEngine(), pg=single_rank_group(), device=torch.device("cpu"))
+
+
+def test_a_group_with_different_load_factors_gives_each_table_its_budget():
+    kernel = _kernel({"A": 0.01, "B": 0.1})
+    assert kernel.store.num_slots == 110
+    assert kernel.store.segment_slot_ranges() == [(0, 10), (10, 110)]
+    # equal load factors (every default run): one shared cache, as before
+    assert _kernel({"A": 0.2, "B": 0.2}).store.segment_slot_ranges() is None
+    # the sharder's table_budgets decides when asked to
+    assert _kernel({"A": 0.01, "B": 0.1}, table_budgets="shared").store.segment_slot_ranges() is None
+    assert _kernel({"A": 0.2, "B": 0.2}, table_budgets="per_table").store.segment_slot_ranges() == [(0, 200), (200, 400)]
+
+
+def test_the_device_planner_shares_by_default_and_refuses_asked_budgets():
+    assert _kernel({"A": 0.01, "B": 0.1}, planner="device").store.segment_slot_ranges() is None
+    with pytest.raises(InvalidInputError, match=r"table 'A\+B': per-table cache budgets in one store"):
+        _kernel({"A": 0.01, "B": 0.1}, planner="device", table_budgets="per_table")
+    with pytest.raises(ValueError, match=r"table_budgets must be 'auto', 'per_table' or 'shared', got 'x'"):
+        _kernel({"A": 0.01}, table_budgets="x")
