@@ -264,3 +264,19 @@ def test_the_device_planner_shares_by_default_and_refuses_asked_budgets():
         _kernel({"A": 0.01, "B": 0.1}, planner="device", table_budgets="per_table")
     with pytest.raises(ValueError, match=r"table_budgets must be 'auto', 'per_table' or 'shared', got 'x'"):
         _kernel({"A": 0.01}, table_budgets="x")
+
+
+def test_overflow_warning_names_the_table_whose_budget_was_short():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kernel = _kernel({"A": 0.01, "B": 0.1})  # A: 10 slots, B: 100
+    # one bag per feature: A asks for 20 distinct rows, B for 5
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f_A", "f_B"], values=torch.cat([torch.arange(20), torch.arange(5)]),
+                                              lengths=torch.tensor([20, 5]))
+    with pytest.warns(UserWarning, match=r"table 'A' \(its budget of the store of tables \['A', 'B'\]\): one batch "
+                                         r"needs 20 distinct rows but the device cache has 10 slots; 10 rows were "
+                                         r"served from the host tier"):
+        group = kernel.plan_prepared(kernel.prepare_batch(kjt), overflow=True)
+    assert group.plans[0].num_overflow == 10
+    kernel.unplan(group)
+    kernel.store.check_invariants(expect_drained=True)

@@ -492,19 +492,29 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if batch.plan.num_overflow and not self._warned_overflow:
             self._warned_overflow = True
             plan, store = batch.plan, self.store
+            who, need, slots, rows = f"tables {self.table_names()}", plan.num_rows, store.num_slots, store.num_rows
             held = store.pinned_slots() - (plan.num_rows - plan.num_overflow)  # (this batch's own excluded)
-            if plan.num_rows > store.num_slots:
-                why = (f"one batch needs {plan.num_rows} distinct rows but the device cache has {store.num_slots} "
-                       f"slots")
+            ranges = None if self._on_device else store.segment_slot_ranges()
+            if ranges is not None:  # each table has its budget: speak of the one that overflowed
+                seg = store.segment_of(int(plan.overflow_rows[0]))  # type: ignore[index]
+                part = store.segments.index(seg)
+                lo, hi = ranges[part]
+                in_seg = int(((plan.rows >= seg.start) & (plan.rows < seg.start + seg.num_rows)).sum())
+                over = int(((plan.overflow_rows >= seg.start) & (plan.overflow_rows < seg.start + seg.num_rows)).sum())
+                who = f"table '{seg.name}' (its budget of the store of tables {self.table_names()})"
+                need, slots, rows = in_seg, hi - lo, seg.num_rows
+                held = int((store.pins[lo:hi] > 0).sum()) - (in_seg - over)
+            if need > slots:
+                why = f"one batch needs {need} distinct rows but the device cache has {slots} slots"
             else:
-                why = (f"a batch needs {plan.num_rows} distinct rows and the device cache has {store.num_slots} "
+                why = (f"a batch needs {need} distinct rows and the device cache has {slots} "
                        f"slots, but {held} of them were held by batches still in flight (prefetched by another "
                        f"pipeline, or looked up by forwards whose backward has not come yet)")
             warnings.warn(
-                f"tables {self.table_names()}: {why}; {plan.num_overflow} rows were served from the host "
+                f"{who}: {why}; {plan.num_overflow} rows were served from the host "
                 f"tier (exact, but on the critical path; said once per table group). A cache of at least "
-                f"{plan.num_rows + max(held, 0)} slots "
-                f"({load_factor_advice(plan.num_rows + max(held, 0), store.num_rows)}) serves this batch beside "
+                f"{need + max(held, 0)} slots "
+                f"({load_factor_advice(need + max(held, 0), rows)}) serves this batch beside "
                 f"them; batches with more distinct rows and prefetching need more.",
                 stacklevel=2,
             )
