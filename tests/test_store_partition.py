@@ -280,3 +280,15 @@ def test_overflow_warning_names_the_table_whose_budget_was_short():
     assert group.plans[0].num_overflow == 10
     kernel.unplan(group)
     kernel.store.check_invariants(expect_drained=True)
+
+
+def test_a_budget_as_large_as_its_table_preloads_that_table():
+    # as a store of its own would: B's rows are resident from the first plan, never missed
+    table = _group([10, 200], hot_rows=torch.tensor([1]))
+    plan = table.plan(torch.tensor([2, 150]))
+    assert plan.num_preloaded == 201 and plan.num_fills == 202 and plan.num_hits == 1
+    assert torch.equal(table.row_to_slot[100:300].long(), torch.arange(10, 210))
+    assert int(table.row_to_slot[1]) == 0 and bool(table.permanent[0]) and not bool(table.permanent[10:].any())
+    FetchEngine().run([plan])
+    table.release(plan)
+    table.check_invariants(expect_drained=True)

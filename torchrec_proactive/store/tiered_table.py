@@ -845,20 +845,42 @@ class TieredTable:
             self.slot_to_row.copy_(rows)
             self.row_to_slot.copy_(rows)  # (copy_ converts to int32)
             return rows, rows.clone()
+        if self._slot_ranges is not None:
+            return self._map_preload_by_segment()
         if self._hot_rows is None or self._hot_rows.numel() == 0:
             return empty, empty
         hot = self._hot_rows
-        if self._slot_ranges is None:
-            slots = torch.arange(hot.numel(), dtype=torch.int64)
-        else:  # each table's hot rows at the start of its own slot range
-            part = torch.searchsorted(self._segment_ends, hot, right=True)
-            lo = torch.tensor([lo for lo, _ in self._slot_ranges], dtype=torch.int64)
-            first = torch.searchsorted(part, torch.arange(len(self.segments)))  # (hot rows are sorted)
-            slots = lo[part] + torch.arange(hot.numel(), dtype=torch.int64) - first[part]
+        slots = torch.arange(hot.numel(), dtype=torch.int64)
         self.slot_to_row[slots] = hot
         self.row_to_slot[hot] = slots.to(torch.int32)
         self.permanent[slots] = True
         return hot, slots
+
+    def _map_preload_by_segment(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        """``_map_preload`` of a partitioned store, per table: a budget as large as the
+        table holds all its rows from the start (row ``start + i`` in slot ``lo + i``, as a
+        store of its own would); otherwise its hot rows, permanently, at the start of its
+        range."""
+        hot = self._hot_rows
+        rows: List[torch.Tensor] = []
+        slots: List[torch.Tensor] = []
+        for seg, (lo, hi) in zip(self.segments, self._slot_ranges or ()):
+            if seg.num_rows and hi - lo >= seg.num_rows:
+                rows.append(torch.arange(seg.start, seg.start + seg.num_rows, dtype=torch.int64))
+                slots.append(torch.arange(lo, hi, dtype=torch.int64))
+            elif hot is not None:
+                h = hot[(hot >= seg.start) & (hot < seg.start + seg.num_rows)]
+                s = torch.arange(lo, lo + h.numel(), dtype=torch.int64)
+                self.permanent[s] = True
+                rows.append(h)
+                slots.append(s)
+        if not rows:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty
+        all_rows, all_slots = torch.cat(rows), torch.cat(slots)
+        self.slot_to_row[all_slots] = all_rows
+        self.row_to_slot[all_rows] = all_slots.to(torch.int32)
+        return all_rows, all_slots
 
     def bookkeeping_bytes(self) -> int:
         """Bytes of maps, pins, flags and eviction state (not the cache or the host tier)."""
