@@ -292,3 +292,22 @@ def test_a_budget_as_large_as_its_table_preloads_that_table():
     FetchEngine().run([plan])
     table.release(plan)
     table.check_invariants(expect_drained=True)
+
+
+def test_auto_depth_is_bounded_by_each_tables_budget():
+    from unittest import mock
+
+    from torchrec_proactive.app import autodepth
+
+    class FakeEbc(torch.nn.Module):
+        def __init__(self, table):
+            super().__init__()
+            self.table = table
+
+        def named_tables(self):
+            return {"A+B": self.table}
+
+    # shared 110 slots would fit 110 // 5 - 1 = 21 batches of 5 ids; A's 10 slots fit 1
+    with mock.patch.object(autodepth, "ProactiveShardedEmbeddingBagCollection", FakeEbc):
+        assert autodepth.cache_depth_limit(FakeEbc(_group(None)), ids_per_batch=5) == 21
+        assert autodepth.cache_depth_limit(FakeEbc(_group([10, 100])), ids_per_batch=5) == 1
