@@ -26,6 +26,8 @@ Invariants (checked by ``check_invariants``):
 * A dirty row evicted to the host is written back before any later fetch reads it: both are
   data moves of tickets, and tickets execute in issue order.
 * Rows of a planned batch are resident from the end of its transfer until its release.
+* With per-table budgets (``segment_slots``), every cached row is in its own table's slot
+  range, so no table holds more rows than its budget.
 
 Nothing here imports TorchRec; the host tier may be a view of someone else's storage.
 """
