@@ -7,7 +7,6 @@ from typing import Any, Dict, List
 
 import numpy as np
 import torch
-from torchrec.distributed.embedding_sharding import USE_ONE_TBE_PER_TABLE
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -31,8 +30,8 @@ def _build(sharder, kernel, tables, seed_state, load_factors=None):
 
 def planned_exactness(rank: int, world_size: int, depths: List[int], budget_bytes: int, steps: int = 8,
                       batch_size: int = 32, rows: int = 600) -> Dict[str, Any]:
-    """Curves of the run's own global batches, the planner's per-table sizes (one store per
-    table), trained at every depth and by stock TorchRec."""
+    """Curves of the run's own global batches, the planner's per-table sizes (each table's
+    budget in its group's one store), trained at every depth and by stock TorchRec."""
     tables = make_tables(4, rows=rows, dim=8, shared_feature=True)
     all_batches = [[make_batch(tables, batch_size, seed=1000 * r + i) for i in range(steps)] for r in range(world_size)]
     torch.manual_seed(123)
@@ -52,8 +51,7 @@ def planned_exactness(rank: int, world_size: int, depths: List[int], budget_byte
     ref = _params(dmp)
     runs = {}
     for k in depths:
-        sharder = ProactiveEmbeddingBagCollectionSharder(fused_params={**fused, USE_ONE_TBE_PER_TABLE: True},
-                                                         debug_checks=True)
+        sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), debug_checks=True)
         dmp, opt = _build(sharder, "fused_uvm_caching", tables, seed_state, load_factors=lfs)
         pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=k)
         out = _run(pipe, batches)

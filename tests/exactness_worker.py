@@ -141,6 +141,13 @@ def matrix(rank: int, world_size: int, sharding: Any, optimizers: List[str], dep
                     options = {"cache_load_factor": cache}
                 elif cache == "tiny":
                     options = {"num_slots": _tiny_slots(tables, all_batches, k)}
+                elif cache == "per_table":  # each table its own budget in its group's store, as small as fits
+                    options = {"num_slots": _tiny_slots(tables, all_batches, k), "table_budgets": "per_table"}
+                elif cache == "per_table_uneven":  # the first table's budget below one batch (it overflows)
+                    tiny = _tiny_slots(tables, all_batches, k)
+                    first_table = tables[0].name
+                    options = {"num_slots": {n: (max(1, v // (2 * (k + 1))) if n == first_table else max(v, rows // 10))
+                                             for n, v in tiny.items()}, "table_budgets": "per_table"}
                 elif cache == "10pct":
                     tiny = _tiny_slots(tables, all_batches, k)
                     options = {"num_slots": {n: max(v, rows // 10) for n, v in tiny.items()}}

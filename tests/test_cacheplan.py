@@ -203,7 +203,12 @@ def test_bench_cache_planning_writes_both_arms_at_equal_bytes(tmp_path) -> None:
         assert a["cache_bytes"] == sum(a["slots"].values()) * row_bytes
     # equal bytes: the uniform arm rounds down, by less than a row per table
     assert 0 <= cp["planned"]["cache_bytes"] - cp["uniform"]["cache_bytes"] < 4 * row_bytes
-    assert cp["planned"]["stores"] == cp["uniform"]["stores"] == 4 and cp["uniform_shared"]["stores"] == 1
+    # TorchRec's grouping kept (one store for the four tables) in every arm; the planned and
+    # uniform arms give each table its own budget of its slots, the shared arm does not
+    assert cp["planned"]["stores"] == cp["uniform"]["stores"] == cp["uniform_shared"]["stores"] == 1
+    assert cp["planned"]["per_table_slots"] == cp["planned"]["slots"]
+    assert cp["uniform"]["per_table_slots"] == cp["uniform"]["slots"]
+    assert cp["uniform_shared"]["per_table_slots"] == {}
     # the planned slots are the planner's load factors
     rows = {t: v["rows"] for t, v in cp["tables"].items()}
     assert cp["planned"]["slots"] == {t: max(1, round(lf * rows[t])) for t, lf in cp["load_factors"].items()}
@@ -257,8 +262,9 @@ def test_budget_needs_auto_sharding() -> None:
 
 @pytest.mark.parametrize("world_size", [2])
 def test_planned_sizes_are_exact_across_depths_and_vs_stock(world_size: int) -> None:
-    """Planner-chosen per-table sizes change speed only: bit-identical parameters and
-    outputs at depths 0, 1 and 3, stock TorchRec's within fp32 tolerance (2 gloo ranks)."""
+    """Planner-chosen per-table sizes (per-table budgets in one group store) change speed
+    only: bit-identical parameters and outputs at depths 0, 1 and 3, stock TorchRec's within
+    fp32 tolerance (2 gloo ranks)."""
     from torchrec_proactive.launch import run_ranks
 
     from . import cacheplan_worker
@@ -268,13 +274,23 @@ def test_planned_sizes_are_exact_across_depths_and_vs_stock(world_size: int) -> 
     lfs = results[0]["load_factors"]
     assert all(r["load_factors"] == lfs for r in results)  # every rank planned the same
     assert all(0 < lf < 0.999 for lf in lfs.values()) and len(set(lfs.values())) > 1, lfs
+    per_table = 0
     for r in results:
         assert r["bitwise_equal_across_depths"] and r["same_keys_as_stock"], r["rank"]
         assert r["max_param_diff_vs_stock"] < 1e-5 and r["max_out_diff_vs_stock"] < 1e-5, r
         assert r["stats"][3]["rows_fetched"] > 0  # the caches really were smaller than the tables
-        for sizes in r["sizes"].values():  # one store per table, sized by the plan
-            for name, s in sizes.items():
-                assert s["num_slots"] == max(1, round(lfs[name] * s["num_rows"])), (name, s)
+        for sizes in r["sizes"].values():  # TorchRec's groups kept; each table its planned budget
+            assert len(sizes) == 1, sizes  # (this rank's tables: one group, one store)
+            for store_name, store in sizes.items():
+                names = store_name.split("+")
+                if len({lfs[n] for n in names}) > 1:
+                    assert set(store["tables"]) == set(names), store
+                    for name, s in store["tables"].items():
+                        assert s["num_slots"] == max(1, round(lfs[name] * s["num_rows"])), (name, s)
+                else:  # equal load factors: one shared cache of their slots
+                    assert "tables" not in store, store
+        per_table += sum("tables" in store for sizes in r["sizes"].values() for store in sizes.values())
+    assert per_table > 0  # some store really split its slots among its tables
 
 
 BUDGET_FOR_EXACTNESS = 30_000

@@ -466,7 +466,7 @@ def test_sampled_lru_keeps_the_hit_rate_of_exact_lru():
             queue.append(table.plan(rows))
             if len(queue) > 3:
                 table.release(queue.pop(0))
-        return table.stats.hit_rate(), table.ranking._hand
+        return table.stats.hit_rate(), table.ranking.hands[0]
 
     sampled, hand = hit_rate()
     assert hand != 0, "the victim windows never moved: the test did not sample"

@@ -57,10 +57,15 @@ def cache_depth_limit(model: torch.nn.Module, ids_per_batch: int, cap: int = 64)
     for m in model.modules():
         if isinstance(m, ProactiveShardedEmbeddingBagCollection):
             for table in m.named_tables().values():
-                if table.num_slots >= table.num_rows:
-                    continue  # the whole shard is cached: any depth fits
-                per_batch = min(table.num_rows, ids_per_batch)
-                limit = min(limit, table.num_slots // max(per_batch, 1) - 1)
+                ranges = table.segment_slot_ranges()
+                # (a store with per-table budgets: each table's budget must hold its batches)
+                caches = ([(table.num_slots, table.num_rows)] if ranges is None else
+                          [(hi - lo, seg.num_rows) for seg, (lo, hi) in zip(table.segments, ranges)])
+                for slots, rows in caches:
+                    if slots >= rows:
+                        continue  # the whole shard is cached: any depth fits
+                    per_batch = min(rows, ids_per_batch)
+                    limit = min(limit, slots // max(per_batch, 1) - 1)
     return max(limit, 0)
 
 

@@ -122,14 +122,21 @@ def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCo
     if cfg.link.kind == "emulated":
         link = LinkModel(bandwidth_gbps=cfg.link.bandwidth_gbps, latency_us=cfg.link.latency_us)
     fused = fused_params(cfg.optimizer)
-    if cfg.cache.budget_bytes:
-        # planned per-table sizes: one store (TorchRec: one TBE) per table, else TorchRec
-        # groups the tables into one shared cache of the summed slots
+    if cfg.cache.budget_bytes and _plans_on_device(cfg):
+        # Planned per-table sizes: on the host planner a group's store gives each table its
+        # own share of its slots (the sharder's table_budgets="auto"). The device planner
+        # does not partition its cache yet, so there each table gets a store of its own
+        # (TorchRec: one TBE per table), else the group would share one cache.
         fused[USE_ONE_TBE_PER_TABLE] = True
     return ProactiveEmbeddingBagCollectionSharder(
         fused_params=fused, cache_load_factor=cfg.cache.load_factor,
         eviction_policy=cfg.cache.eviction_policy, num_slots=slots, link=link,
     )
+
+
+def _plans_on_device(cfg: Config) -> bool:
+    """Whether this run's tables plan on the device (``DeviceTieredTable``): on CUDA."""
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
 
 
 def plan(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config, env: RankEnv,

@@ -4,9 +4,12 @@ Skewed tables (different Zipf exponents and sizes) train on one rank with an emu
 Their curves are measured on a separate sample of batches (the profile), TorchRec's planner
 with :mod:`torchrec_proactive.cacheplan.planner` picks per-table load factors under
 ``budget_bytes``, and the *uniform* arm gets one load factor with the same total cache bytes
-(rounded down, so never more); both have one cache per table. A third arm,
-``uniform_shared``, is the uniform load factor with TorchRec's default grouping (every table
-in one store: one shared LRU cache of the same bytes). The arms train on the same batches,
+(rounded down, so never more). Every arm keeps TorchRec's grouping: the four tables are one
+group, one store, one plan and one lookup per step. In ``uniform`` and ``planned`` each table
+has its own budget of that store's slots (``table_budgets="per_table"``; for the planned
+load factors, which differ, the default ``auto`` does it); the third arm, ``uniform_shared``, is the
+uniform load factor in one cache shared by the tables (``table_budgets="shared"``: any
+table's rows in any slot; the default for equal load factors). The arms train on the same batches,
 from the same weights, in alternating rounds, and report ``{hit_rate, rows_fetched_per_step, step_ms,
 cache_bytes}`` (step_ms: the median step, a measurement on a shared CPU; the counters are
 deterministic).
@@ -20,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Tuple
 
 import torch
-from torchrec.distributed.embedding_sharding import USE_ONE_TBE_PER_TABLE
 
 from ..fetch import LinkModel
 from ..quiet import quiet_third_party
@@ -103,20 +105,20 @@ def cache_planning_rank(rank: int, world_size: int, case: PlanningCase) -> Dict[
     torch.manual_seed(1234)
     init_state = DLRMTrainModel(w).state_dict()
     link = LinkModel(bandwidth_gbps=case.link_bandwidth_gbps, latency_us=case.link_latency_us)
-    # Through the plan's CacheParams, as a user's plan carries them. TorchRec groups tables
-    # into one store (one TBE, one shared cache of the summed slots) whatever their load
-    # factors; TorchRec's `use_one_tbe_per_table` gives each table its own cache, so the
-    # per-table sizes take effect. `uniform_shared` is the default grouping, for reference.
+    # Through the plan's CacheParams, as a user's plan carries them. TorchRec groups the
+    # tables into one store whatever their load factors; the store splits its slots into
+    # per-table budgets, or (uniform_shared) lets the tables share them.
     arms = {"uniform": {t: slots / rows[t] for t, slots in uniform.items()},
             "planned": {t: slots / rows[t] for t, slots in planned.items()}}
     arms["uniform_shared"] = arms["uniform"]
-    per_table = {"uniform": True, "planned": True, "uniform_shared": False}
+    budgets = {"uniform": "per_table", "planned": "auto", "uniform_shared": "shared"}
     runs: Dict[str, list] = {name: [] for name in arms}
     stores: Dict[str, int] = {}
+    sizes: Dict[str, Any] = {}
     for r in range(case.rounds):
         for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):  # alternate which runs first
-            sharder = ProactiveEmbeddingBagCollectionSharder(
-                fused_params={**_fused(), USE_ONE_TBE_PER_TABLE: per_table[name]}, link=link)
+            sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=_fused(), link=link,
+                                                             table_budgets=budgets[name])
             torch.manual_seed(0)
             model = DLRMTrainModel(w)
             plan_ = build_plan(model, sharder, "table_wise", kernel="fused_uvm_caching", cache_load_factor=arms[name])
@@ -125,7 +127,9 @@ def cache_planning_rank(rank: int, world_size: int, case: PlanningCase) -> Dict[
             opt = combined_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=settings.learning_rate))
             pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=case.prefetch_depth)
             runs[name].append(_train(pipe, batches, case.warmup_steps))
-            stores[name] = len(dmp.module.model.sparse_arch.embedding_bag_collection.named_tables())
+            ebc = dmp.module.model.sparse_arch.embedding_bag_collection
+            stores[name] = len(ebc.named_tables())
+            sizes[name] = ebc.cache_sizes()
             pipe.detach()
     out: Dict[str, Any] = {"budget_bytes": case.budget, "prefetch_depth": case.prefetch_depth,
                            "load_factors": plan.load_factors, "plan_log": plan.describe(),
@@ -139,7 +143,10 @@ def cache_planning_rank(rank: int, world_size: int, case: PlanningCase) -> Dict[
         s = _summarize(name, settings, runs[name], world_size, {})
         out[name] = {"hit_rate": s["hit_rate"], "rows_fetched_per_step": s["rows_fetched_per_step"],
                      "step_ms": s["step_ms_median"], "cache_bytes": sum(slots.values()) * row_bytes,
-                     "slots": slots, "stores": stores[name], "deferred_batches_per_step": s["deferred_batches_per_step"],
+                     "slots": slots, "stores": stores[name], "table_budgets": budgets[name],
+                     "per_table_slots": {t: v["num_slots"] for store in sizes[name].values()
+                                         for t, v in store.get("tables", {}).items()},
+                     "deferred_batches_per_step": s["deferred_batches_per_step"],
                      "rows_fetched_at_lookup_per_step": s["rows_fetched_at_lookup_per_step"]}
     p, un = out["planned"], out["uniform"]
     out["ratios"] = {
@@ -148,6 +155,8 @@ def cache_planning_rank(rank: int, world_size: int, case: PlanningCase) -> Dict[
         "step_ms_planned_over_uniform": p["step_ms"] / un["step_ms"] if un["step_ms"] else None,
         "rows_fetched_planned_over_uniform_shared": (p["rows_fetched_per_step"] / out["uniform_shared"]["rows_fetched_per_step"]
                                                      if out["uniform_shared"]["rows_fetched_per_step"] else None),
+        "step_ms_planned_over_uniform_shared": (p["step_ms"] / out["uniform_shared"]["step_ms"]
+                                                if out["uniform_shared"]["step_ms"] else None),
     }
     out["settings"] = {**asdict(case), "budget_bytes": case.budget}
     return out
@@ -171,6 +180,6 @@ def summary_line(out: Dict[str, Any]) -> str:
     r = out["ratios"]
     return (f"cache planning (budget {out['budget_bytes']} bytes, depth {out['prefetch_depth']}, equal cache bytes "
             f"{p['cache_bytes']}): rows fetched/step planned {p['rows_fetched_per_step']:.1f} vs uniform "
-            f"{u['rows_fetched_per_step']:.1f} (x{r['rows_fetched_planned_over_uniform']:.2f}; one shared cache: "
+            f"{u['rows_fetched_per_step']:.1f} (x{r['rows_fetched_planned_over_uniform']:.2f}; one cache shared by the tables: "
             f"{sh['rows_fetched_per_step']:.1f}), hit rate {p['hit_rate']:.3f} vs {u['hit_rate']:.3f}, step "
-            f"{p['step_ms']:.2f} vs {u['step_ms']:.2f} ms (emulated link, shared CPU)")
+            f"{p['step_ms']:.2f} vs {u['step_ms']:.2f} ms (shared: {sh['step_ms']:.2f}; emulated link, shared CPU)")

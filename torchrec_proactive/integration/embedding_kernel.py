@@ -184,15 +184,22 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # the training thread never reads the ids on the host (DeviceTieredTable).
         self._on_device = options.plans_on_device(self._device)
         store_type = DeviceTieredTable if self._on_device else TieredTable
+        budgets = [_num_slots(t, options) for t in tables]
         self.store = store_type(
             name="+".join(dict.fromkeys(t.name for t in tables)),  # column shards of a table: once
             host_weight=_group_host_tier(config, host_buffer, self._host_views),
             optimizer=self.optimizer_config,
-            num_slots=sum(_num_slots(t, options) for t in tables),
+            num_slots=sum(budgets),
             device=self._device,
             policy=EvictionPolicy.parse((tables[0].fused_params or {}).get("cache_algorithm", options.eviction_policy)),
             hot_rows=_group_hot_rows(tables, options),
             segments=_segments(tables),
+            # TorchRec groups tables whatever their load factors (its grouping key drops
+            # cache_load_factor): tables planned with different ones keep one store, one
+            # plan and one lookup, each table's rows in its own share of the slots. Equal
+            # load factors keep one shared cache (unchanged choices; its LRU moves slots
+            # to the hotter tables by itself). See ``table_budgets``.
+            segment_slots=budgets if _per_table_budgets(tables, options, self._on_device) else None,
         )
         # An update whose plan's pins ended early (see ``forward``) moves its rows again
         # through this module's engine, in their turn behind every queued move.
@@ -485,19 +492,29 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if batch.plan.num_overflow and not self._warned_overflow:
             self._warned_overflow = True
             plan, store = batch.plan, self.store
+            who, need, slots, rows = f"tables {self.table_names()}", plan.num_rows, store.num_slots, store.num_rows
             held = store.pinned_slots() - (plan.num_rows - plan.num_overflow)  # (this batch's own excluded)
-            if plan.num_rows > store.num_slots:
-                why = (f"one batch needs {plan.num_rows} distinct rows but the device cache has {store.num_slots} "
-                       f"slots")
+            ranges = None if self._on_device else store.segment_slot_ranges()
+            if ranges is not None:  # each table has its budget: speak of the one that overflowed
+                seg = store.segment_of(int(plan.overflow_rows[0]))  # type: ignore[index]
+                part = store.segments.index(seg)
+                lo, hi = ranges[part]
+                in_seg = int(((plan.rows >= seg.start) & (plan.rows < seg.start + seg.num_rows)).sum())
+                over = int(((plan.overflow_rows >= seg.start) & (plan.overflow_rows < seg.start + seg.num_rows)).sum())
+                who = f"table '{seg.name}' (its budget of the store of tables {self.table_names()})"
+                need, slots, rows = in_seg, hi - lo, seg.num_rows
+                held = int((store.pins[lo:hi] > 0).sum()) - (in_seg - over)
+            if need > slots:
+                why = f"one batch needs {need} distinct rows but the device cache has {slots} slots"
             else:
-                why = (f"a batch needs {plan.num_rows} distinct rows and the device cache has {store.num_slots} "
+                why = (f"a batch needs {need} distinct rows and the device cache has {slots} "
                        f"slots, but {held} of them were held by batches still in flight (prefetched by another "
                        f"pipeline, or looked up by forwards whose backward has not come yet)")
             warnings.warn(
-                f"tables {self.table_names()}: {why}; {plan.num_overflow} rows were served from the host "
+                f"{who}: {why}; {plan.num_overflow} rows were served from the host "
                 f"tier (exact, but on the critical path; said once per table group). A cache of at least "
-                f"{plan.num_rows + max(held, 0)} slots "
-                f"({load_factor_advice(plan.num_rows + max(held, 0), store.num_rows)}) serves this batch beside "
+                f"{need + max(held, 0)} slots "
+                f"({load_factor_advice(need + max(held, 0), rows)}) serves this batch beside "
                 f"them; batches with more distinct rows and prefetching need more.",
                 stacklevel=2,
             )
@@ -617,10 +634,24 @@ def _host_alias(uvm: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
 
+def _load_factor(table: Any, options: ProactiveOptions) -> float:
+    """The table's cache load factor: its plan's (``CacheParams``, in its fused params) or the sharder's."""
+    return float((table.fused_params or {}).get("cache_load_factor", options.cache_load_factor))
+
+
+def _per_table_budgets(tables: List[Any], options: ProactiveOptions, on_device: bool) -> bool:
+    """Whether a group's store gives each table its own share of the slots (``table_budgets``).
+    ``auto`` never does on the device planner, which does not partition its cache yet (an
+    explicit ``per_table`` there is refused by ``DeviceTieredTable``, in one line)."""
+    if len(tables) < 2 or options.table_budgets == "shared":
+        return False
+    if options.table_budgets == "per_table":
+        return True
+    return not on_device and len({_load_factor(t, options) for t in tables}) > 1
+
+
 def _num_slots(table: Any, options: ProactiveOptions) -> int:
-    fused = table.fused_params or {}
-    load_factor = float(fused.get("cache_load_factor", options.cache_load_factor))
-    return min(options.num_slots_for(table.name, table.local_rows, load_factor), table.local_rows)
+    return min(options.num_slots_for(table.name, table.local_rows, _load_factor(table, options)), table.local_rows)
 
 
 def _segments(tables: List[Any]) -> List[Segment]:

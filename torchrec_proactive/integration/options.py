@@ -28,6 +28,13 @@ class ProactiveOptions:
             at CPU batch sizes), ``"device"`` (fixed-shape tensor ops on the cache's device,
             no host synchronisation: ``DeviceTieredTable``) or ``"auto"``: device on CUDA,
             host on CPU.
+        table_budgets: how a store serving a TorchRec group of several tables splits its
+            cache: ``"per_table"`` (each table's rows only in its own share of the slots,
+            its own size), ``"shared"`` (one cache of the summed slots, any table's rows
+            anywhere) or ``"auto"``: per table when the group's tables were given different
+            load factors (e.g. by the cache planner), else shared; on the device planner,
+            which does not partition its cache yet, ``auto`` is shared and ``per_table`` is
+            refused.
     """
 
     cache_load_factor: float = 0.2
@@ -37,8 +44,11 @@ class ProactiveOptions:
     link: Optional[LinkModel] = None
     debug_checks: bool = False
     planner: str = "auto"
+    table_budgets: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.table_budgets not in ("auto", "per_table", "shared"):
+            raise ValueError(f"table_budgets must be 'auto', 'per_table' or 'shared', got {self.table_budgets!r}")
         if self.planner not in ("auto", "host", "device"):
             raise ValueError(f"planner must be 'auto', 'host' or 'device', got {self.planner!r}")
         if not 0.0 < self.cache_load_factor <= 1.0:

@@ -592,12 +592,28 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return {kernel.store.name: ("device" if isinstance(kernel.store, DeviceTieredTable) else "host")
                 for kernel in self._proactive_kernels}
 
-    def cache_sizes(self) -> Dict[str, Dict[str, float]]:
+    def cache_sizes(self) -> Dict[str, Dict[str, Any]]:
         """Each of this rank's proactive stores: ``{"num_slots", "num_rows", "load_factor"}``
-        (the load factor the plan - e.g. the cache planner's - gave its tables, as slots/rows)."""
-        return {kernel.store.name: {"num_slots": kernel.store.num_slots, "num_rows": kernel.store.num_rows,
-                                    "load_factor": kernel.store.num_slots / max(kernel.store.num_rows, 1)}
-                for kernel in self._proactive_kernels}
+        (the load factor the plan - e.g. the cache planner's - gave its tables, as slots/rows).
+        A store whose tables have budgets of their own (planned with different load factors)
+        also has ``"tables": {table: {"num_slots", "num_rows", "load_factor"}}``."""
+        out: Dict[str, Dict[str, Any]] = {}
+        for kernel in self._proactive_kernels:
+            store = kernel.store
+            entry: Dict[str, Any] = {"num_slots": store.num_slots, "num_rows": store.num_rows,
+                                     "load_factor": store.num_slots / max(store.num_rows, 1)}
+            ranges = store.segment_slot_ranges()
+            if ranges is not None:
+                tables: Dict[str, Dict[str, float]] = {}
+                for seg, (lo, hi) in zip(store.segments, ranges):
+                    t = tables.setdefault(seg.name, {"num_slots": 0, "num_rows": 0})  # (column shards: summed)
+                    t["num_slots"] += hi - lo
+                    t["num_rows"] += seg.num_rows
+                for t in tables.values():
+                    t["load_factor"] = t["num_slots"] / max(t["num_rows"], 1)
+                entry["tables"] = tables
+            out[store.name] = entry
+        return out
 
     def set_prefetch_depth(self, depth: int) -> None:
         """Depth ``k`` of the pipeline driving this module (0 = reactive)."""

@@ -53,6 +53,9 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         debug_checks: verify store invariants after each lookup (tests, debugging).
         planner: ``"auto"`` (on the device on CUDA, with no host synchronisation; on the host
             on CPU), ``"device"`` or ``"host"``; see ``ProactiveOptions``.
+        table_budgets: ``"auto"`` (a group's tables with different load factors each keep
+            their own share of its store's cache), ``"per_table"`` or ``"shared"``; see
+            ``ProactiveOptions``.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         link: Optional[LinkModel] = None,
         debug_checks: bool = False,
         planner: str = "auto",
+        table_budgets: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
@@ -78,6 +82,7 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             link=link,
             debug_checks=debug_checks,
             planner=planner,
+            table_budgets=table_budgets,
         )
         self._announced = False
         hide_own_planner_notes()

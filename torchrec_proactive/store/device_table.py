@@ -53,6 +53,10 @@ launch. Reaching it takes fused kernels (Triton, or FBGEMM's ``lru_cache_*`` ops
 state layout fits), which a CPU-only build can neither run nor count; until then the bound
 is a strict xfail in the cost tests.
 
+Per-table budgets. ``TieredTable``'s ``segment_slots`` (a group's slots partitioned among
+its tables) are refused here, in one line: the window and ``pinned_bound`` above cover one
+slot range. A group planned on the device shares one cache among its tables.
+
 Bookkeeping is owned by the stream that plans, looks up and updates (the compute stream);
 see ``fetch/cuda.py`` for how bytes move between the host tier and the cache.
 """
@@ -169,6 +173,15 @@ class DeviceTieredTable(TieredTable):
     """
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if kwargs.get("segment_slots") is not None:
+            # Per-table budgets (``TieredTable``'s ``segment_slots``) are not planned on the
+            # device yet: its victim window and ``pinned_bound`` cover one slot range.
+            name = kwargs.get("name", args[0] if args else "?")
+            raise InvalidInputError(
+                f"table '{name}': per-table cache budgets in one store (segment_slots={list(kwargs['segment_slots'])}) "
+                f"are planned on the host only; use the sharder's planner='host', or one store per table "
+                f"(TorchRec's use_one_tbe_per_table fused param)"
+            )
         super().__init__(*args, **kwargs)
         self._tick = 0
         self._hand = 0  # where the next plan's victim window starts (see _window)

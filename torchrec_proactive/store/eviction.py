@@ -10,12 +10,17 @@ LRU/LFU, as in Redis; FBGEMM's cache is set-associative for the same reason): a 
 a few vector ops over about ``WINDOW_FACTOR x`` its misses, not over every slot. Only when a
 window holds too few evictable slots is the whole cache scanned, so a victim is found
 whenever one exists.
+
+A store serving several tables may split its slots into per-table ranges (``ranges``): a
+table's victims then come only from its own range, each range with its own clock hand, so a
+table's cache never holds more rows than its budget. Without ranges the whole cache is one
+range and the choices are those of a single table's cache.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -47,11 +52,15 @@ class SlotRanking:
     ranking is a handful of small vector ops, where NumPy's per-op cost is a fraction of
     eager PyTorch's dispatch."""
 
-    def __init__(self, policy: EvictionPolicy, num_slots: int, num_rows: int) -> None:
+    def __init__(self, policy: EvictionPolicy, num_slots: int, num_rows: int,
+                 ranges: Optional[Sequence[Tuple[int, int]]] = None) -> None:
         self.policy = policy
         self.num_slots = num_slots
         self._tick = 0
-        self._hand = 0  # where the next victim window starts
+        # Per slot range ``[lo, hi)``: where its next victim window starts. One range, the
+        # whole cache, unless the store partitions its slots among its tables.
+        self.ranges: List[Tuple[int, int]] = list(ranges) if ranges is not None else [(0, num_slots)]
+        self.hands: List[int] = [lo for lo, _ in self.ranges]
         # 0 = never used (ticks start at 1): empty slots sort first.
         self.last_used = torch.zeros(num_slots, dtype=torch.int64)
         # LFU counts accesses per *row*, so a row that comes back keeps its history.
@@ -68,34 +77,38 @@ class SlotRanking:
         if self._row_freq is not None:
             self._row_freq[rows] += 1  # (unique rows: a buffered fancy add is exact)
 
-    @staticmethod
-    def count_evictable(pins: np.ndarray, permanent: Optional[np.ndarray]) -> int:
-        """Slots no in-flight batch pins and no permanently hot row holds: how many victims
-        ``pick_victims`` can find at most (one pass, no ranking)."""
-        free = pins == 0
+    def count_evictable(self, pins: np.ndarray, permanent: Optional[np.ndarray], part: int = 0) -> int:
+        """Slots of range ``part`` no in-flight batch pins and no permanently hot row holds:
+        how many victims ``pick_victims`` can find there at most (one pass, no ranking)."""
+        lo, hi = self.ranges[part]
+        free = pins[lo:hi] == 0
         if permanent is not None:
-            free &= ~permanent
+            free &= ~permanent[lo:hi]
         return int(np.count_nonzero(free))
 
     def pick_victims(
-        self, n: int, pins: np.ndarray, permanent: Optional[np.ndarray], slot_to_row: np.ndarray
+        self, n: int, pins: np.ndarray, permanent: Optional[np.ndarray], slot_to_row: np.ndarray, part: int = 0
     ) -> np.ndarray:
-        """Up to ``n`` evictable slots (int64), lowest rank first; exactly ``n`` whenever the
-        cache has that many (fewer means the whole cache was scanned and that is all there
-        is). ``permanent`` may be None when no slot is permanently hot (one mask op fewer)."""
+        """Up to ``n`` evictable slots (int64) of range ``part``, lowest rank first; exactly
+        ``n`` whenever the range has that many (fewer means the whole range was scanned and
+        that is all there is). ``permanent`` may be None when no slot is permanently hot (one
+        mask op fewer)."""
         if n == 0:
             return np.empty(0, dtype=np.int64)
-        size = min(self.num_slots, max(WINDOW_FACTOR * n, MIN_WINDOW))
-        if size < self.num_slots:
-            start, end = self._hand, self._hand + size
-            if end <= self.num_slots:
+        lo, hi = self.ranges[part]
+        span = hi - lo
+        size = min(span, max(WINDOW_FACTOR * n, MIN_WINDOW))
+        if size < span:
+            start = self.hands[part]
+            end = start + size
+            if end <= hi:
                 victims = self._lowest(n, pins, permanent, slot_to_row, start, end)
-            else:  # the window wraps around the end of the cache
-                victims = self._lowest(n, pins, permanent, slot_to_row, start, self.num_slots, 0, end - self.num_slots)
+            else:  # the window wraps around the end of the range
+                victims = self._lowest(n, pins, permanent, slot_to_row, start, hi, lo, lo + end - hi)
             if victims is not None:
-                self._hand = end % self.num_slots
+                self.hands[part] = lo + (end - lo) % span
                 return victims
-        return self._lowest_of_all(n, pins, permanent, slot_to_row)
+        return self._lowest_of_all(n, pins, permanent, slot_to_row, lo, hi)
 
     def _scores(self, pins: np.ndarray, permanent: Optional[np.ndarray], slot_to_row: np.ndarray,
                 start: int, end: int) -> np.ndarray:
@@ -140,10 +153,13 @@ class SlotRanking:
         return index + start
 
     def _lowest_of_all(self, n: int, pins: np.ndarray, permanent: Optional[np.ndarray],
-                       slot_to_row: np.ndarray) -> np.ndarray:
-        score = self._scores(pins, permanent, slot_to_row, 0, self.num_slots)
+                       slot_to_row: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        score = self._scores(pins, permanent, slot_to_row, lo, hi)
         free = int(np.count_nonzero(score < _UNEVICTABLE))
-        return _smallest(score, min(n, free))
+        victims = _smallest(score, min(n, free))
+        if lo:
+            victims += lo
+        return victims
 
 
 def _smallest(score: np.ndarray, k: int) -> np.ndarray:

@@ -26,6 +26,8 @@ Invariants (checked by ``check_invariants``):
 * A dirty row evicted to the host is written back before any later fetch reads it: both are
   data moves of tickets, and tickets execute in issue order.
 * Rows of a planned batch are resident from the end of its transfer until its release.
+* With per-table budgets (``segment_slots``), every cached row is in its own table's slot
+  range, so no table holds more rows than its budget.
 
 Nothing here imports TorchRec; the host tier may be a view of someone else's storage.
 """
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -195,6 +197,15 @@ class TieredTable:
         row_offset / global_rows: position of this shard in the global table (messages).
         segments: the tables whose rows make up the store's row space, in order (a store
             per TorchRec group serves all its tables); default: one table, ``name``.
+        segment_slots: per segment, its slot budget (each clamped to its rows; they sum to
+            ``num_slots``). The slots are then partitioned: segment i owns a contiguous
+            slot range (``segment_slot_ranges``), its rows live only there and its victims
+            come only from there, so a table never caches more rows than its budget (a
+            TorchRec group keeps one store, one plan and one lookup while the cache planner
+            sizes each table). A batch whose misses do not fit in one segment's range is
+            refused (``CacheCapacityError`` naming that table) or overflows, as a batch
+            that does not fit an unpartitioned store. Default None: one cache shared by
+            every segment, as if the store were one table.
     """
 
     def __init__(
@@ -210,6 +221,7 @@ class TieredTable:
         row_offset: int = 0,
         global_rows: Optional[int] = None,
         segments: Optional[Sequence[Segment]] = None,
+        segment_slots: Optional[Sequence[int]] = None,
     ) -> None:
         if host_weight.dim() != 2:
             raise InvalidInputError(
@@ -265,6 +277,10 @@ class TieredTable:
                 f"the host tier has {self.num_rows}"
             )
         self._segment_ends = torch.tensor([seg.start + seg.num_rows for seg in self.segments], dtype=torch.int64)
+        # Per segment, its slot range [lo, hi) when the slots are partitioned; None: shared.
+        self._slot_ranges: Optional[List[Tuple[int, int]]] = None
+        if segment_slots is not None:
+            self._partition_slots(list(segment_slots), int(num_slots))
 
         self._allocate_cache(self.num_slots)
         self.row_bytes = self.dim * host_weight.element_size() + sum(
@@ -278,6 +294,7 @@ class TieredTable:
         self._hot_rows = None if hot_rows is None else torch.unique(hot_rows.to(torch.int64))
         if self._hot_rows is not None:
             self.validate_rows(self._hot_rows)
+            self._check_hot_rows_per_segment()
             if self._hot_rows.numel() >= self.num_slots:
                 raise CacheCapacityError(
                     f"table '{name}': {self._hot_rows.numel()} permanently hot rows leave no slot for cold "
@@ -287,6 +304,48 @@ class TieredTable:
         # copied in at the first plan, not now: the host tier may still be loaded (weights,
         # then optimizer state) before training starts, and the cache must see the result.
         self._preload_pending = True
+
+    def _partition_slots(self, budgets: List[int], num_slots: int) -> None:
+        """Checks ``segment_slots`` and gives each segment its contiguous slot range."""
+        if len(budgets) != len(self.segments):
+            raise InvalidInputError(
+                f"table '{self.name}': segment_slots has {len(budgets)} entries for {len(self.segments)} segments "
+                f"({[seg.name for seg in self.segments]})"
+            )
+        for seg, n in zip(self.segments, budgets):
+            if int(n) < 1 and seg.num_rows:
+                raise InvalidInputError(f"table '{self.name}': segment_slots['{seg.name}']={n} must be >= 1 "
+                                        f"(its segment has {seg.num_rows} rows)")
+        if sum(int(n) for n in budgets) != num_slots:
+            raise InvalidInputError(f"table '{self.name}': segment_slots sum to {sum(int(n) for n in budgets)} "
+                                    f"but num_slots={num_slots}")
+        ranges, lo = [], 0
+        for seg, n in zip(self.segments, budgets):
+            hi = lo + max(0, min(int(n), seg.num_rows))  # (clamped to the segment, as num_slots is)
+            ranges.append((lo, hi))
+            lo = hi
+        self._slot_ranges = ranges
+        self.num_slots = max(lo, 1)
+        self.holds_every_row = self.num_slots >= self.num_rows
+        self._row_starts = np.array([seg.start for seg in self.segments[1:]], dtype=np.int64)
+        self._slot_ends = np.array([hi for _, hi in ranges], dtype=np.int64)
+
+    def segment_slot_ranges(self) -> Optional[List[Tuple[int, int]]]:
+        """Per segment, the slot range ``[lo, hi)`` its rows live in (``segment_slots``);
+        None when every segment shares the whole cache."""
+        return None if self._slot_ranges is None else list(self._slot_ranges)
+
+    def _check_hot_rows_per_segment(self) -> None:
+        if self._slot_ranges is None or self._hot_rows is None:
+            return
+        hot = self._hot_rows.numpy()
+        for seg, (lo, hi) in zip(self.segments, self._slot_ranges):
+            k = int(np.count_nonzero((hot >= seg.start) & (hot < seg.start + seg.num_rows)))
+            if k and k >= hi - lo and hi - lo < seg.num_rows:
+                raise CacheCapacityError(
+                    f"table '{seg.name}' (store '{self.name}'): {k} permanently hot rows leave no slot for cold "
+                    f"rows in its cache of {hi - lo} slots"
+                )
 
     def _allocate_cache(self, rows: int) -> None:
         dtype = self.host_weight.dtype
@@ -305,7 +364,7 @@ class TieredTable:
         self.pins = torch.zeros(self.num_slots, dtype=torch.int32)
         self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
         self.permanent = torch.zeros(self.num_slots, dtype=torch.bool)
-        self.ranking = SlotRanking(self.policy, self.num_slots, self.num_rows)
+        self.ranking = SlotRanking(self.policy, self.num_slots, self.num_rows, self._slot_ranges)
         # NumPy views of the maps for the hot path (the tensors stay the owners: never
         # reassign them, only write into them).
         self._row_to_slot, self._slot_to_row = self.row_to_slot.numpy(), self.slot_to_row.numpy()
@@ -402,6 +461,14 @@ class TieredTable:
             n_miss = fill_rows.shape[0]
         if n_miss == 0:  # steady state of a warm cache: no victims to look for
             fill_rows = victims = writeback_rows = writeback_slots = _EMPTY
+        elif self._slot_ranges is not None:
+            permanent = self._permanent if self._hot_rows is not None else None
+            victims, overflow_rows = self._victims_by_segment(
+                r, miss, hits, fill_rows, pins, permanent, s2r, overflow, depth_hint,
+                (preload_rows, preload_slots) if preloading else None)
+            if overflow_rows is not None:
+                fill_rows = r[miss]  # (``_victims_by_segment`` took the overflow rows out of ``miss``)
+                n_miss = fill_rows.shape[0]
         else:
             permanent = self._permanent if self._hot_rows is not None else None
             short = False
@@ -426,6 +493,7 @@ class TieredTable:
                 overflow_rows, fill_rows = fill_rows[n_free:], fill_rows[:n_free]
                 miss[np.flatnonzero(miss)[n_free:]] = False
                 n_miss = n_free
+        if n_miss or overflow_rows is not None:  # (the batch missed rows)
             victim_rows = s2r[victims]
             occupied = victim_rows >= 0
             wb = occupied & dirty[victims]
@@ -468,27 +536,85 @@ class TieredTable:
         st.overflow_rows += plan.num_overflow
         return plan
 
+    def _victims_by_segment(self, r: np.ndarray, miss: np.ndarray, hits: np.ndarray, fill_rows: np.ndarray,
+                            pins: np.ndarray, permanent: Optional[np.ndarray], s2r: np.ndarray, overflow: bool,
+                            depth_hint: Optional[int], preload: Optional[Tuple[torch.Tensor, torch.Tensor]],
+                            ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """Victims of a partitioned store: each segment's misses (``fill_rows`` is sorted, so
+        they are contiguous) from its own slot range. Returns the victims in row order and
+        the overflow rows (None when none): a segment whose range cannot take all its misses
+        raises ``CacheCapacityError`` naming it, changing nothing (clock hands included) -
+        or, with ``overflow``, its last misses (row order) overflow and leave ``miss``."""
+        cuts = np.searchsorted(fill_rows, self._row_starts).tolist()
+        bounds = [0, *cuts, fill_rows.shape[0]]
+        hands = list(self.ranking.hands)
+        chosen: List[np.ndarray] = []
+        spill: List[Tuple[int, int]] = []  # (first, end) positions in fill_rows that overflow
+        for part, (lo, hi) in enumerate(self._slot_ranges or ()):
+            a, b = bounds[part], bounds[part + 1]
+            m = b - a
+            if m == 0:
+                continue
+            short = False
+            if not overflow and 4 * m > hi - lo:  # (as in ``_plan``: a plan that cannot fit fails fast)
+                n_free = self.ranking.count_evictable(pins, permanent, part)
+                short = n_free < m
+            if short:
+                victims = _EMPTY
+            else:
+                victims = self.ranking.pick_victims(m, pins, permanent, s2r, part)
+                n_free = victims.shape[0]
+            if n_free < m:
+                if not overflow:
+                    self.ranking.hands[:] = hands
+                    pins[hits] -= 1
+                    if preload is not None:
+                        self._unmap_preload(*preload)
+                    seg = self.segments[part]
+                    in_seg = int(np.count_nonzero((r >= seg.start) & (r < seg.start + seg.num_rows)))
+                    self._raise_capacity(in_seg, m, n_free, depth_hint, part)
+                spill.append((a + n_free, b))
+            chosen.append(victims)
+        victims = np.concatenate(chosen) if len(chosen) > 1 else chosen[0]
+        if not spill:
+            return victims, None
+        keep = np.ones(fill_rows.shape[0], dtype=bool)
+        for first, end in spill:
+            keep[first:end] = False
+        miss[np.flatnonzero(miss)[~keep]] = False
+        return victims, fill_rows[~keep]
+
     def _unmap_preload(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         self.row_to_slot[rows] = -1
         self.slot_to_row[slots] = -1
         self.permanent[slots] = False
         self._preload_pending = True
 
-    def _raise_capacity(self, n_rows: int, n_miss: int, n_free: int, depth: Optional[int]) -> None:
+    def _raise_capacity(self, n_rows: int, n_miss: int, n_free: int, depth: Optional[int],
+                        part: Optional[int] = None) -> None:
+        """``n_rows``, ``n_miss``, ``n_free``: the batch's rows, misses and the victims found -
+        in segment ``part``'s slot range when the store is partitioned (the message then
+        names that table and its budget)."""
         # (Raised on every try of a prefetch that waits for pins: kept cheap.)
-        permanent = int(np.count_nonzero(self._permanent)) if self._hot_rows is not None else 0
+        label, num_slots, table_rows, lo, hi = f"table '{self.name}'", self.num_slots, self.num_rows, 0, self.num_slots
+        if part is not None and self._slot_ranges is not None:
+            seg = self.segments[part]
+            lo, hi = self._slot_ranges[part]
+            num_slots, table_rows = hi - lo, seg.num_rows
+            label = f"table '{seg.name}' (its budget in store '{self.name}')"
+        permanent = int(np.count_nonzero(self._permanent[lo:hi])) if self._hot_rows is not None else 0
         # Slots that must hold distinct rows at once: this batch's misses beside every slot
         # that cannot give way - pinned by an in-flight batch (this batch's own hits were
         # pinned first, so they are among them) or holding a permanently hot row.
-        held = self.num_slots - n_free
+        held = num_slots - n_free
         needed = n_miss + held
         if held == 0:
-            msg = (f"table '{self.name}': this batch alone misses {n_miss} rows but the device cache has "
-                   f"{self.num_slots} slots")
+            msg = (f"{label}: this batch alone misses {n_miss} rows but the device cache has "
+                   f"{num_slots} slots")
         else:
             own = n_rows - n_miss  # this batch's hits: pinned before the victims were sought
             msg = (
-                f"table '{self.name}': the device cache has {self.num_slots} slots but {needed} rows must be "
+                f"{label}: the device cache has {num_slots} slots but {needed} rows must be "
                 f"resident at once: this batch's {n_miss} missing rows and {held} slots that cannot give way "
                 f"(pinned by {self._in_flight} in-flight batch(es)"
                 + (f" or by this batch's {own} cached rows" if own else "")
@@ -496,11 +622,11 @@ class TieredTable:
                 + ")"
             )
         if depth is not None:
-            fits = max(self.num_slots - permanent, 0) // max(n_rows, 1) - 1
+            fits = max(num_slots - permanent, 0) // max(n_rows, 1) - 1
             want = (depth + 1) * n_rows
             msg += (
                 f"; with prefetch_depth={depth} about {want} slots are needed (depth + 1 batches of "
-                f"~{n_rows} rows: {load_factor_advice(want, self.num_rows)}). "
+                f"~{n_rows} rows: {load_factor_advice(want, table_rows)}). "
                 + (
                     f"prefetch_depth <= {fits} would fit this cache"
                     if fits >= 0
@@ -725,6 +851,8 @@ class TieredTable:
             self.slot_to_row.copy_(rows)
             self.row_to_slot.copy_(rows)  # (copy_ converts to int32)
             return rows, rows.clone()
+        if self._slot_ranges is not None:
+            return self._map_preload_by_segment()
         if self._hot_rows is None or self._hot_rows.numel() == 0:
             return empty, empty
         hot = self._hot_rows
@@ -733,6 +861,32 @@ class TieredTable:
         self.row_to_slot[hot] = slots.to(torch.int32)
         self.permanent[slots] = True
         return hot, slots
+
+    def _map_preload_by_segment(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        """``_map_preload`` of a partitioned store, per table: a budget as large as the
+        table holds all its rows from the start (row ``start + i`` in slot ``lo + i``, as a
+        store of its own would); otherwise its hot rows, permanently, at the start of its
+        range."""
+        hot = self._hot_rows
+        rows: List[torch.Tensor] = []
+        slots: List[torch.Tensor] = []
+        for seg, (lo, hi) in zip(self.segments, self._slot_ranges or ()):
+            if seg.num_rows and hi - lo >= seg.num_rows:
+                rows.append(torch.arange(seg.start, seg.start + seg.num_rows, dtype=torch.int64))
+                slots.append(torch.arange(lo, hi, dtype=torch.int64))
+            elif hot is not None:
+                h = hot[(hot >= seg.start) & (hot < seg.start + seg.num_rows)]
+                s = torch.arange(lo, lo + h.numel(), dtype=torch.int64)
+                self.permanent[s] = True
+                rows.append(h)
+                slots.append(s)
+        if not rows:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty
+        all_rows, all_slots = torch.cat(rows), torch.cat(slots)
+        self.slot_to_row[all_slots] = all_rows
+        self.row_to_slot[all_rows] = all_slots.to(torch.int32)
+        return all_rows, all_slots
 
     def bookkeeping_bytes(self) -> int:
         """Bytes of maps, pins, flags and eviction state (not the cache or the host tier)."""
@@ -764,6 +918,17 @@ class TieredTable:
             problems.append("a pin count went negative")
         if bool((self.dirty & (self.slot_to_row < 0)).any()):
             problems.append("an empty slot is marked dirty")
+        if self._slot_ranges is not None and occ.numel():
+            # Partitioned: every row lives in its own segment's slot range.
+            row_part = torch.searchsorted(self._segment_ends, rows, right=True)
+            slot_part = torch.from_numpy(np.searchsorted(self._slot_ends, occ.numpy(), side="right"))
+            wrong = torch.nonzero(row_part != slot_part).flatten()
+            if wrong.numel():
+                i = int(wrong[0])
+                seg = self.segments[int(row_part[i])]
+                lo, hi = self._slot_ranges[int(row_part[i])]
+                problems.append(f"row {int(rows[i])} of table '{seg.name}' is in slot {int(occ[i])}, "
+                                f"outside its slots [{lo}, {hi})")
         if expect_drained and (int(self.pins.sum()) != 0 or self._in_flight != 0):
             problems.append(f"{int(self.pins.sum())} pins / {self._in_flight} plans left after drain")
         if problems:
