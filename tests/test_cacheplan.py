@@ -384,3 +384,37 @@ def test_profile_of_row_wise_shards() -> None:
     assert whole.accesses == split.accesses and split.num_rows == 301
     parts = [MissRatioCurve.from_steps(shard_steps(steps, lo, hi), hi - lo) for lo, hi in ((0, 151), (151, 301))]
     assert split == MissRatioCurve.combine_shards(parts)
+
+
+def test_the_documented_python_path_runs() -> None:
+    """docs/cache_planning.md's snippet, as written, on a user's EBC and sampled KJTs: every
+    table gets a load factor at or above its pinned floor and a CacheParams with its curve."""
+    import re
+    from pathlib import Path
+
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "cache_planning.md").read_text()
+    code = re.search(r"<!-- cacheplan-snippet -->\s*```python\n(.*?)```", doc, re.S).group(1)
+    rows, batch_size = {"busy": 20000, "quiet": 5000}, 256
+    tables = [EmbeddingBagConfig(name=n, embedding_dim=16, num_embeddings=r, feature_names=[f"f_{n}"])
+              for n, r in rows.items()]
+    rng = np.random.default_rng(0)
+    sample_kjts = [
+        KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f_{n}" for n in rows],
+            values=torch.from_numpy(np.concatenate([(rng.zipf(1.2, batch_size) - 1) % r for r in rows.values()])),
+            lengths=torch.ones(batch_size * len(rows), dtype=torch.int32))
+        for _ in range(60)
+    ]
+    scope = {"sample_kjts": sample_kjts, "tables": tables, "model": _ebc(rows),
+             "sharder": ProactiveEmbeddingBagCollectionSharder(), "budget_bytes": 1_000_000, "world_size": 1,
+             "batch_size": batch_size}
+    exec(compile(code, "docs/cache_planning.md", "exec"), scope)
+    constraints, curves = scope["constraints"], scope["curves"]
+    assert sorted(constraints) == sorted(rows)
+    for name, c in constraints.items():
+        assert c.cache_params.stats is curves[name]
+        assert curves[name].min_load_factor <= c.cache_params.load_factor <= 1.0, (name, c.cache_params)
