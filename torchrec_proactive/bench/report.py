@@ -150,6 +150,10 @@ def format_table(report: Dict[str, Any]) -> str:
         ranks = sorted({v["ranks"] for v in scaling["validation"]})
         line = (f"scaling study: the step model reproduces these runs ({len(scaling['validation'])} configurations "
                 f"at {'/'.join(map(str, ranks))} rank(s)) within {100 * worst:.1f}%")
+        if scaling.get("held_out_max_abs_error") is not None:
+            held = sum(1 for v in scaling["validation"] if v.get("held_out"))
+            line += (f"; {held} held out: max |error| {100 * scaling['held_out_max_abs_error']:.1f}%, calibration "
+                     f"{100 * (scaling.get('calibration_max_abs_error') or 0.0):.1f}%")
         if worst > VALIDATION_TOLERANCE:
             line += (f" - over {100 * VALIDATION_TOLERANCE:.0f}%: the runs are too short or the machine too busy to "
                      f"validate it (their medians move more than the model's error); rerun without --quick on an "

@@ -31,12 +31,17 @@ class Workload:
     batch_size: int = 512
     ids_per_feature: int = 1
     zipf_alpha: float = 1.05
+    #: skewed tables: table i's Zipf exponent is ``zipf_alpha * (1 + skew * (1 - 2 i / (n - 1)))``
+    #: (flatter tables miss more), so table-wise shards differ in rows copied per step
+    skew: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_tables", "rows_per_table", "embedding_dim", "batch_size", "ids_per_feature"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.skew < 1.0:
+            raise ValueError(f"skew must be in [0, 1), got {self.skew}")
         if self.embedding_dim % 4:
             raise ValueError(f"embedding_dim must be a multiple of 4 (FBGEMM), got {self.embedding_dim}")
 
@@ -44,6 +49,11 @@ class Workload:
         """Kaggle's largest tables, capped at ``rows_per_table`` (skew comes from Zipf)."""
         big = sorted(KAGGLE_CARDINALITIES, reverse=True)[: self.num_tables]
         return [min(c, self.rows_per_table) for c in big]
+
+    def alphas(self) -> List[float]:
+        """Each table's Zipf exponent (all ``zipf_alpha`` unless ``skew``)."""
+        n = self.num_tables
+        return [self.zipf_alpha * (1 + self.skew * (1 - 2 * i / (n - 1) if n > 1 else 0.0)) for i in range(n)]
 
     def tables(self) -> List[EmbeddingBagConfig]:
         return [
@@ -57,7 +67,8 @@ class Workload:
         cards = self.cardinalities()
         for _ in range(num):
             n = self.batch_size * self.ids_per_feature
-            values = [torch.from_numpy(sample_zipf_ranks(rng, c, self.zipf_alpha, n).astype(np.int64)) for c in cards]
+            values = [torch.from_numpy(sample_zipf_ranks(rng, c, a, n).astype(np.int64))
+                      for c, a in zip(cards, self.alphas())]
             lengths = torch.full((len(cards) * self.batch_size,), self.ids_per_feature, dtype=torch.int64)
             kjt = KeyedJaggedTensor.from_lengths_sync(
                 keys=[f"cat_{i}" for i in range(len(cards))], values=torch.cat(values), lengths=lengths
