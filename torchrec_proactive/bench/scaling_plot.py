@@ -56,6 +56,12 @@ def _assumptions(doc: Mapping[str, Any]) -> List[str]:
     if host:
         lines += textwrap.wrap(f"  planned on the host (dashed): {host['why']}", width=_WIDTH,
                                subsequent_indent="      ")
+    unfilled = sorted({p["cache_fraction"] for p in doc["workload_figures"] if not p.get("cache_filled", True)
+                       and p["cache_fraction"] < 1})
+    if unfilled:
+        lines += textwrap.wrap("caches that never filled in the replay (cold-cache hit rates, copies an upper bound): "
+                               + ", ".join(f"{100 * f:g}%" for f in unfilled), width=_WIDTH)
+    lines.append("shaded: speed-up band over the corners of the stated uncertainties (planning on device)")
     replay = doc.get("replay")
     if replay:
         lines += textwrap.wrap(
@@ -100,9 +106,15 @@ def study_figure(doc: Mapping[str, Any]) -> Any:
                 top = max(top, *ys)
                 # (curves that never pay sit on 1.0: a small vertical nudge keeps each visible)
                 nudge = 0.004 * j if max(ys) <= 1.0 + 1e-9 else 0.0
+                color = _CACHE_COLORS[j % len(_CACHE_COLORS)]
                 ax.plot(xs, [y + nudge for y in ys], style, marker="o" if planning == "device" else "x", ms=4, lw=1.6,
-                        color=_CACHE_COLORS[j % len(_CACHE_COLORS)],
-                        label=f"{100 * fraction:g}% cache, planning on {planning}")
+                        color=color, label=f"{100 * fraction:g}% cache, planning on {planning}")
+                bands = v.get("speedup_band_by_scale") or {}
+                band = [bands.get(w) or bands.get(str(w)) for w in xs]
+                if planning == "device" and all(band):
+                    # the corners of the stated uncertainties (bandwidths, overhead, MLP efficiency, imbalance)
+                    ax.fill_between(xs, [b["low"] for b in band], [b["high"] for b in band], color=color, alpha=0.12)
+                    top = max(top, *(b["high"] for b in band))
         ax.axhline(1.46, color="grey", lw=1, ls=":")
         ax.text(1, 1.46, " paper: +46% avg", va="bottom", fontsize=8, color="grey")
         ax.axhline(1.0, color="black", lw=0.8)

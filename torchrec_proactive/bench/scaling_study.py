@@ -461,8 +461,9 @@ def _why(row: Mapping[str, Any]) -> str:
                 f"(collectives and compute dominate)")
     if st["copy_s"] > main:
         return f"the copy engine ({st['copy_s']:.2f} ms a batch) is the bottleneck: hiding it cannot go below it"
-    return (f"the copy ({st['copy_s']:.2f} ms) is hidden behind a {main:.2f} ms step: the gain is about "
-            f"1 + copy / step, so it falls as the collectives lengthen the step")
+    return (f"the copy ({st['copy_s']:.2f} ms, the slowest rank's) is hidden behind a {main:.2f} ms step: the gain "
+            f"is about 1 + reactive's copy / step; reactive's copy grows with the ranks it waits for (stragglers) "
+            f"while the collectives lengthen the step")
 
 
 def verdicts(rows: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
