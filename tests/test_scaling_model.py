@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchrec_proactive.bench.cache_replay import replay, replay_table, zipf_id_stream
+from torchrec_proactive.bench.cache_replay import replay, replay_table, zipf_fill, zipf_id_stream
 from torchrec_proactive.bench.hardware import PROFILES, collective_bandwidth, profile_named
 from torchrec_proactive.bench.scaling_study import (
     CALIBRATION,
@@ -238,6 +238,21 @@ def test_one_percent_of_a_criteo_tb_table_holds_k_plus_1_batches():
     assert p.cache_rows_per_table == 400_000 and p.deferred_per_step == 0 and p.mean_lead == 8
     stand_in = zipf_id_stream(num_tables=1, rows_per_table=200_000, batch_size=4096, num_steps=20, alpha=1.05)
     assert replay("zipf", stand_in, 0.01, 8, warmup=10).mean_lead < 1
+
+
+def test_a_history_fills_a_large_cache_to_steady_state():
+    # 80 steps of 4096 ids touch fewer rows than a 1% cache of a 40M-row table holds: cold. A history of 4 earlier ids per slot (same Zipf) fills it first: it evicts,
+    # writes back and hits more; nothing of the history is counted.
+    s = StudySettings()
+    steps = zipf_id_stream(num_tables=1, rows_per_table=40_000_000, batch_size=4096, num_steps=s.replay_steps,
+                           alpha=1.05)
+    cold = replay("zipf", steps, 0.01, 2, warmup=s.replay_warmup)
+    assert not cold.cache_filled
+    history = [zipf_fill(40_000_000, 1.05, int(0.01 * 40_000_000 * s.fill_ids_per_slot))]
+    warm = replay("zipf", steps, 0.01, 2, warmup=s.replay_warmup, fills=history)
+    assert warm.cache_filled and warm.written_back_rows_per_id > 2 * cold.written_back_rows_per_id
+    assert warm.hit_rate > cold.hit_rate
+    assert warm.ids_per_step == cold.ids_per_step and warm.mean_lead == 2
 
 
 def test_default_replay_fills_a_20_percent_cache_and_writes_back():

@@ -25,14 +25,14 @@ import time
 import warnings
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Deque, Dict, List, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..store import CacheCapacityError, OptimizerConfig, TieredTable
 
-__all__ = ["CachePoint", "replay_table", "replay", "zipf_id_stream", "criteo_id_stream"]
+__all__ = ["CachePoint", "replay_table", "replay", "zipf_id_stream", "zipf_fill", "criteo_id_stream"]
 
 #: The replay's row width: bytes scale with it, counts do not (reported per row).
 _REPLAY_DIM = 8
@@ -128,7 +128,7 @@ class _TableReplay:
 
 
 def replay_table(steps: Sequence[np.ndarray], num_rows: int, cache_fraction: float, depth: int,
-                 warmup: int = 0) -> Dict[str, float]:
+                 warmup: int = 0, fill: Optional[np.ndarray] = None) -> Dict[str, float]:
     """Replays one table's per-step ids (``steps[t]``: the ids of batch ``t``); totals over
     the steps after ``warmup``, and ``moved_by_step`` (rows fetched + written back per
     counted batch).
@@ -136,7 +136,11 @@ def replay_table(steps: Sequence[np.ndarray], num_rows: int, cache_fraction: flo
     The cache holds ``cache_fraction x num_rows`` rows of the *real* table, however few of
     its rows the steps touch: the ids are compacted to the rows seen (order kept, so the
     store's choices are the same), which lets a 40M-row table replay in the memory of its
-    touched rows."""
+    touched rows.
+
+    ``fill``: ids of earlier training (same distribution, any number) looked up and updated
+    before the steps, in chunks of half the cache, so that a cache far larger than the
+    steps' rows starts full and dirty, as in steady state; nothing of it is counted."""
     if not 0 < cache_fraction <= 1:
         raise ValueError(f"cache_fraction must be in (0, 1], got {cache_fraction!r}")
     if depth < 0:
@@ -144,7 +148,9 @@ def replay_table(steps: Sequence[np.ndarray], num_rows: int, cache_fraction: flo
     if not 0 <= warmup < len(steps):
         raise ValueError(f"warmup must be in [0, {len(steps)}) steps, got {warmup!r}")
     arrays = [np.asarray(ids, dtype=np.int64) for ids in steps]
-    seen, inverse = np.unique(np.concatenate(arrays), return_inverse=True)
+    pre = np.asarray(fill if fill is not None else [], dtype=np.int64)
+    seen, inverse = np.unique(np.concatenate([pre, *arrays]), return_inverse=True)
+    pre_inverse, inverse = inverse[:len(pre)], inverse[len(pre):]
     slots = max(1, int(cache_fraction * num_rows))
     # One row more than it touches, so that a cache at least as large as the rows seen is not
     # taken for one that holds the whole table (the store preloads such a cache): it starts
@@ -154,6 +160,12 @@ def replay_table(steps: Sequence[np.ndarray], num_rows: int, cache_fraction: flo
     r = _TableReplay(len(seen) + (0 if holds_all else 1), min(slots, len(seen)), depth, warmup)
     bounds = np.cumsum([0] + [len(a) for a in arrays])
     batches = [torch.unique(torch.from_numpy(inverse[bounds[t]:bounds[t + 1]])) for t in range(len(arrays))]
+    chunk = max(1, min(slots, len(seen)) // 2)
+    for start in range(0, len(pre_inverse), chunk):
+        rows = torch.unique(torch.from_numpy(pre_inverse[start:start + chunk]))
+        plan = r.table.plan(rows, overflow=True)
+        r.table.transfer(plan)
+        r.table.apply_gradients(plan, torch.zeros(plan.rows.numel(), _REPLAY_DIM))
     for j in range(min(depth, len(batches))):  # the prologue: batches 0..k-1 arrive first
         r.waiting.append((j, batches[j]))
     r.plan_waiting(0)
@@ -171,13 +183,14 @@ def replay_table(steps: Sequence[np.ndarray], num_rows: int, cache_fraction: flo
 
 
 def replay(source: str, tables: Sequence[Tuple[int, Sequence[np.ndarray]]], cache_fraction: float,
-           depth: int, warmup: int = 0) -> CachePoint:
-    """Replays every ``(num_rows, per-step ids)`` table and sums their counts into one point."""
+           depth: int, warmup: int = 0, fills: Optional[Sequence[Optional[np.ndarray]]] = None) -> CachePoint:
+    """Replays every ``(num_rows, per-step ids)`` table (after its ``fills[i]``, see
+    :func:`replay_table`) and sums their counts into one point."""
     total: Dict[str, float] = {}
     moved: List[Tuple[float, ...]] = []
     filled, cache_rows = True, []
-    for num_rows, steps in tables:
-        one = replay_table(steps, num_rows, cache_fraction, depth, warmup)
+    for i, (num_rows, steps) in enumerate(tables):
+        one = replay_table(steps, num_rows, cache_fraction, depth, warmup, None if fills is None else fills[i])
         moved.append(tuple(one.pop("moved_by_step")))
         filled = filled and bool(one.pop("cache_filled"))
         cache_rows.append(one.pop("cache_rows"))
@@ -204,6 +217,14 @@ def zipf_id_stream(num_tables: int, rows_per_table: int, batch_size: int, num_st
     rng = np.random.default_rng(seed)
     return [(rows_per_table, [sample_zipf_ranks(rng, rows_per_table, alpha, batch_size) for _ in range(num_steps)])
             for _ in range(num_tables)]
+
+
+def zipf_fill(rows_per_table: int, alpha: float, num_ids: int, seed: int = 1) -> np.ndarray:
+    """``num_ids`` earlier ids of one Zipf table (same distribution as :func:`zipf_id_stream`'s):
+    the history that fills a large cache before a replay (``replay_table(fill=...)``)."""
+    from ..data.criteo_synth import sample_zipf_ranks
+
+    return sample_zipf_ranks(np.random.default_rng(seed), rows_per_table, alpha, num_ids).astype(np.int64)
 
 
 def criteo_id_stream(work_dir: Any, batch_size: int, num_steps: int, num_tables: int = 26,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .cache_replay import CachePoint, criteo_id_stream, replay, zipf_id_stream
+from .cache_replay import CachePoint, criteo_id_stream, replay, zipf_fill, zipf_id_stream
 from .hardware import PROFILES, HardwareProfile
 from .step_model import DLRMShape, StageCosts, gpu_stage_costs, step_s, straggler_factor
 
@@ -61,6 +61,12 @@ class StudySettings:
     #: steps a 20% cache never did); each point says whether its cache filled (``cache_filled``)
     replay_steps: int = 80
     replay_warmup: int = 30
+    #: a cache of up to ``max_fill_ids / fill_ids_per_slot`` rows is first filled with that many
+    #: earlier Zipf ids per slot, so that it runs full and writes back as in steady state (a
+    #: 1% cache of 40M rows needs 400k rows; 80 steps of 4096 ids touch under 200k); larger
+    #: caches replay cold and say so (``cache_filled``)
+    fill_ids_per_slot: float = 4.0
+    max_fill_ids: int = 8_000_000
     profiles: Tuple[HardwareProfile, ...] = PROFILES
     #: an owner's id trace (``[samples, tables]`` .npy) to replay instead of Zipf ids
     trace: Optional[Path] = None
@@ -296,8 +302,19 @@ def workload_figures(settings: StudySettings, work_dir: Path) -> List[CachePoint
             "criteo": criteo_id_stream(work_dir, settings.criteo_batch, min(steps, 24), settings.criteo_tables,
                                        max_cardinality=200_000),
         }
-    return [replay(name, tables, fraction, depth, warmup=min(settings.replay_warmup, len(tables[0][1]) // 2))
-            for name, tables in sources.items() for fraction in settings.cache_fractions for depth in settings.depths]
+    out = []
+    for name, tables in sources.items():
+        warmup = min(settings.replay_warmup, len(tables[0][1]) // 2)
+        for fraction in settings.cache_fractions:
+            fills = None
+            slots = fraction * settings.zipf_rows
+            if name == "zipf" and settings.fill_ids_per_slot and slots * settings.fill_ids_per_slot <= settings.max_fill_ids:
+                # steady state: a history of fill_ids_per_slot ids per cache row runs first
+                n = int(slots * settings.fill_ids_per_slot)
+                fills = [zipf_fill(rows, settings.zipf_alpha, n, seed=1 + i) for i, (rows, _) in enumerate(tables)]
+            for depth in settings.depths:
+                out.append(replay(name, tables, fraction, depth, warmup=warmup, fills=fills))
+    return out
 
 
 def trace_id_stream(path: Path, ids_per_step: int, num_steps: int, rows: Optional[int] = None
