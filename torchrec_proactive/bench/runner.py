@@ -254,7 +254,7 @@ def _study_settings(args: argparse.Namespace) -> Any:
     study = StudySettings(shape=shape, zipf_rows=args.scaling_rows, profiles=tuple(with_bw(p) for p in profiles),
                           trace=args.scaling_trace)
     if args.quick:  # a smaller replay of the workload figures (a smoke test of the study)
-        study = replace(study, criteo_batch=256, replay_steps=10, replay_warmup=4)
+        study = replace(study, criteo_batch=256, replay_steps=10, replay_warmup=4, fill_ids_per_slot=0.0)
     return study
 
 
