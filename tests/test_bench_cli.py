@@ -221,6 +221,38 @@ def test_scaling_summary_says_how_well_the_model_fits_these_runs(tiny_run):
         assert ("too short" in format_table(fake)) == warned
 
 
+@pytest.mark.multiprocess
+def test_projection_json_names_held_out_runs_stragglers_and_banded_projections(tiny_run):
+    _, _, out = tiny_run
+    doc = json.loads((out / "sc" / "projection.json").read_text())
+    assert any(v["held_out"] for v in doc["validation"]) and any(not v["held_out"] for v in doc["validation"])
+    assert all(set(v) >= {"ranks", "config", "measured_step_ms", "modelled_step_ms", "held_out"}
+               for v in doc["validation"])
+    (row,) = doc["stragglers"]  # (this run asked for 2 ranks only)
+    assert row["ranks"] == 2 and row["skew"] > 0
+    assert set(row) >= {"ranks", "skew", "reactive_ms", "depth1_ms", "best_depth", "best_depth_ms"}
+    for p in doc["profiles"]:
+        assert p["name"] and p["projections"]
+        for q in p["projections"]:
+            assert {"scale", "cache", "depth"} <= set(q)
+            assert {"value", "low", "high"} <= set(q["speedup_vs_reactive"]) and q["speedup_vs_depth1"]
+
+
+def test_scaling_inputs_reach_the_study():
+    from torchrec_proactive.bench.runner import _study_settings, build_parser
+
+    args = build_parser().parse_args(["--scaling", "x", "--scaling-profile", "dgx_h100", "--scaling-tables", "8",
+                                      "--scaling-rows", "1000000", "--scaling-dim", "64", "--scaling-batch", "1024",
+                                      "--scaling-ids-per-sample", "3", "--scaling-host-link-gbps", "30"])
+    study = _study_settings(args)
+    (p,) = study.profiles
+    assert p.name.startswith("DGX H100") and p.copy_gbps == 30
+    assert ("host_link_achievable_gbps", 27.0, 33.0) in [(n, round(lo, 6), round(hi, 6)) for n, lo, hi in p.bands]
+    s = study.shape
+    assert (s.num_features, s.embedding_dim, s.batch_per_gpu, s.ids_per_feature) == (8, 64, 1024, 3.0)
+    assert s.ids_per_step == 1024 * 8 * 3 and study.zipf_rows == 1_000_000
+
+
 def test_noise_verdicts_flag_an_upper_bound_violation_and_overlaps():
     from torchrec_proactive.bench.noise import noise_verdicts
 
