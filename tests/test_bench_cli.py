@@ -215,6 +215,9 @@ def test_scaling_summary_says_how_well_the_model_fits_these_runs(tiny_run):
     line = next(line for line in proc.stdout.splitlines() if line.startswith("scaling study:"))
     assert f"within {100 * worst:.1f}%" in line
     assert ("too short or the machine too busy" in line) == (worst > VALIDATION_TOLERANCE)
+    # the straggler runs, in the paper's terms and TorchRec's
+    (strag,) = [line for line in proc.stdout.splitlines() if line.startswith("stragglers, ")]
+    assert "2 rank(s)" in strag and "depth 1 (TorchRec's prefetch pipeline)" in strag and "x reactive" in strag
     # either way round, from the same report
     for error, warned in ((0.05, False), (0.5, True)):
         fake = {**report, "scaling": {**scaling, "validation_max_abs_error": error}}

@@ -159,6 +159,12 @@ def format_table(report: Dict[str, Any]) -> str:
                      f"validate it (their medians move more than the model's error); rerun without --quick on an "
                      f"idle machine before reading the projection")
         lines.append(line)
+        for row in scaling.get("stragglers") or []:
+            lines.append(f"stragglers, {row['ranks']} rank(s), skew {row['skew']:g}: reactive {row['reactive_ms']:.1f} ms, "
+                         f"depth 1 (TorchRec's prefetch pipeline) {row['depth1_ms']:.1f} ms, best depth "
+                         f"{row['best_depth']} {row['best_depth_ms']:.1f} ms "
+                         f"({row['reactive_ms'] / row['best_depth_ms']:.2f}x reactive, "
+                         f"{row['depth1_ms'] / row['best_depth_ms']:.2f}x depth 1)")
     if "auto_depth" in report:
         lines.append(f"auto chose depth {report['auto_depth']}")
     if noise:
