@@ -99,3 +99,27 @@ def test_planning_cost_is_reported_as_wall_and_cpu_time(quick_report):
         c = by_name[f"depth_{k}"]
         assert isinstance(c["plan_ms_per_step"], float) and isinstance(c["plan_cpu_ms_per_step"], float)
         assert c["plan_ms_per_step"] >= 0 and c["plan_cpu_ms_per_step"] >= 0
+
+
+def test_per_rank_bytes_per_step_are_counted_for_the_straggler_model(quick_report):
+    # The bytes each rank moved in each measured step of the first round: what a synchronous
+    # step waits for is the rank that moved the most. Counters: their sum over ranks and steps
+    # is the configuration's bytes per step times its steps (every round moves the same rows).
+    report, _ = quick_report
+    for c in report["configs"]:
+        if "error" in c or c.get("prefetch_depth") is None:
+            continue
+        per_rank = c["bytes_moved_by_rank_step"]
+        steps = c["steps_measured"] // c["rounds"]
+        assert len(per_rank) == report["world_size"] and all(len(r) == steps for r in per_rank), c["name"]
+        assert sum(map(sum, per_rank)) / steps == pytest.approx(c["bytes_moved_per_step"]), c["name"]
+
+
+def test_skewed_tables_differ_in_zipf_exponent():
+    from torchrec_proactive.bench.workload import Workload
+
+    assert Workload(num_tables=4).alphas() == [1.05] * 4
+    skewed = Workload(num_tables=3, zipf_alpha=1.0, skew=0.5).alphas()
+    assert skewed == pytest.approx([1.5, 1.0, 0.5])
+    with pytest.raises(ValueError, match="skew"):
+        Workload(skew=1.0)

@@ -25,14 +25,14 @@ import time
 import warnings
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Deque, Dict, List, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..store import CacheCapacityError, OptimizerConfig, TieredTable
 
-__all__ = ["CachePoint", "replay_table", "replay", "zipf_id_stream", "criteo_id_stream"]
+__all__ = ["CachePoint", "replay_table", "replay", "zipf_id_stream", "zipf_fill", "criteo_id_stream"]
 
 #: The replay's row width: bytes scale with it, counts do not (reported per row).
 _REPLAY_DIM = 8
@@ -55,6 +55,13 @@ class CachePoint:
     deferred_per_step: float  # prefetches that waited for pins
     mean_lead: float  # how many steps ahead of its lookup a batch was planned (k when none waits)
     plan_s_per_id: float  # host CPU seconds of planning per id (a measurement)
+    #: rows moved (fetched + written back) for each counted batch, per table: the per-rank,
+    #: per-step load the straggler model takes its distribution from
+    moved_rows_by_table: Tuple[Tuple[float, ...], ...] = ()
+    #: did the cache run full during the replay (more distinct rows than slots: it evicted)?
+    #: If not, nothing was written back and the hit rate is a cold-start one
+    cache_filled: bool = True
+    cache_rows_per_table: float = 0.0  # slots, absolute (fraction x the table's real rows)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -74,6 +81,7 @@ class _TableReplay:
             ("unique_rows", "hits", "fetched", "fetched_at_lookup", "written_back", "overflow", "leads", "batches",
              "plan_s"), 0.0)
         self.deferred: set = set()
+        self.moved: Dict[int, float] = {}  # batch index -> rows fetched + written back
 
     def _issue(self, index: int, rows: torch.Tensor, now: int, overflow: bool) -> None:
         """Plans and moves one batch; a batch planned in its own step (lead 0) is copied on
@@ -87,6 +95,7 @@ class _TableReplay:
         if index < self.warmup:
             return
         fetched = plan.num_fills - plan.num_preloaded
+        self.moved[index] = float(fetched + plan.num_writebacks)
         for key, value in (("unique_rows", plan.num_rows), ("hits", plan.num_hits), ("fetched", fetched),
                            ("fetched_at_lookup", fetched if index == now else 0),
                            ("written_back", plan.num_writebacks), ("overflow", plan.num_overflow),
@@ -119,17 +128,44 @@ class _TableReplay:
 
 
 def replay_table(steps: Sequence[np.ndarray], num_rows: int, cache_fraction: float, depth: int,
-                 warmup: int = 0) -> Dict[str, float]:
+                 warmup: int = 0, fill: Optional[np.ndarray] = None) -> Dict[str, float]:
     """Replays one table's per-step ids (``steps[t]``: the ids of batch ``t``); totals over
-    the steps after ``warmup``."""
+    the steps after ``warmup``, and ``moved_by_step`` (rows fetched + written back per
+    counted batch).
+
+    The cache holds ``cache_fraction x num_rows`` rows of the *real* table, however few of
+    its rows the steps touch: the ids are compacted to the rows seen (order kept, so the
+    store's choices are the same), which lets a 40M-row table replay in the memory of its
+    touched rows.
+
+    ``fill``: ids of earlier training (same distribution, any number) looked up and updated
+    before the steps, in chunks of half the cache, so that a cache far larger than the
+    steps' rows starts full and dirty, as in steady state; nothing of it is counted."""
     if not 0 < cache_fraction <= 1:
         raise ValueError(f"cache_fraction must be in (0, 1], got {cache_fraction!r}")
     if depth < 0:
         raise ValueError(f"depth must be >= 0, got {depth!r}")
     if not 0 <= warmup < len(steps):
         raise ValueError(f"warmup must be in [0, {len(steps)}) steps, got {warmup!r}")
-    r = _TableReplay(num_rows, max(1, int(cache_fraction * num_rows)), depth, warmup)
-    batches = [torch.unique(torch.from_numpy(np.asarray(ids, dtype=np.int64))) for ids in steps]
+    arrays = [np.asarray(ids, dtype=np.int64) for ids in steps]
+    pre = np.asarray(fill if fill is not None else [], dtype=np.int64)
+    seen, inverse = np.unique(np.concatenate([pre, *arrays]), return_inverse=True)
+    pre_inverse, inverse = inverse[:len(pre)], inverse[len(pre):]
+    slots = max(1, int(cache_fraction * num_rows))
+    # One row more than it touches, so that a cache at least as large as the rows seen is not
+    # taken for one that holds the whole table (the store preloads such a cache): it starts
+    # empty and never evicts, as the real cache would over these steps.
+    # (A cache of the whole real table does hold every row from the start, as the store's.)
+    holds_all = slots >= num_rows
+    r = _TableReplay(len(seen) + (0 if holds_all else 1), min(slots, len(seen)), depth, warmup)
+    bounds = np.cumsum([0] + [len(a) for a in arrays])
+    batches = [torch.unique(torch.from_numpy(inverse[bounds[t]:bounds[t + 1]])) for t in range(len(arrays))]
+    chunk = max(1, min(slots, len(seen)) // 2)
+    for start in range(0, len(pre_inverse), chunk):
+        rows = torch.unique(torch.from_numpy(pre_inverse[start:start + chunk]))
+        plan = r.table.plan(rows, overflow=True)
+        r.table.transfer(plan)
+        r.table.apply_gradients(plan, torch.zeros(plan.rows.numel(), _REPLAY_DIM))
     for j in range(min(depth, len(batches))):  # the prologue: batches 0..k-1 arrive first
         r.waiting.append((j, batches[j]))
     r.plan_waiting(0)
@@ -141,15 +177,24 @@ def replay_table(steps: Sequence[np.ndarray], num_rows: int, cache_fraction: flo
         r.plan_waiting(t)  # in batch t's output all-to-all
         r.backward(t)
     return {"ids": float(sum(len(x) for x in steps[warmup:])), "steps": float(len(steps) - warmup),
-            "deferred": float(len(r.deferred)), **r.totals}
+            "deferred": float(len(r.deferred)), **r.totals,
+            "moved_by_step": [r.moved.get(t, 0.0) for t in range(warmup, len(steps))],
+            "cache_filled": len(seen) > slots, "cache_rows": float(slots)}
 
 
 def replay(source: str, tables: Sequence[Tuple[int, Sequence[np.ndarray]]], cache_fraction: float,
-           depth: int, warmup: int = 0) -> CachePoint:
-    """Replays every ``(num_rows, per-step ids)`` table and sums their counts into one point."""
+           depth: int, warmup: int = 0, fills: Optional[Sequence[Optional[np.ndarray]]] = None) -> CachePoint:
+    """Replays every ``(num_rows, per-step ids)`` table (after its ``fills[i]``, see
+    :func:`replay_table`) and sums their counts into one point."""
     total: Dict[str, float] = {}
-    for num_rows, steps in tables:
-        for k, v in replay_table(steps, num_rows, cache_fraction, depth, warmup).items():
+    moved: List[Tuple[float, ...]] = []
+    filled, cache_rows = True, []
+    for i, (num_rows, steps) in enumerate(tables):
+        one = replay_table(steps, num_rows, cache_fraction, depth, warmup, None if fills is None else fills[i])
+        moved.append(tuple(one.pop("moved_by_step")))
+        filled = filled and bool(one.pop("cache_filled"))
+        cache_rows.append(one.pop("cache_rows"))
+        for k, v in one.items():
             total[k] = total.get(k, 0.0) + v
     ids, num_steps = total["ids"], total["steps"] / len(tables)
     return CachePoint(
@@ -159,7 +204,8 @@ def replay(source: str, tables: Sequence[Tuple[int, Sequence[np.ndarray]]], cach
         written_back_rows_per_id=total["written_back"] / ids, overflow_rows_per_id=total["overflow"] / ids,
         hit_rate=total["hits"] / total["unique_rows"] if total["unique_rows"] else 1.0,
         deferred_per_step=total["deferred"] / num_steps, mean_lead=total["leads"] / total["batches"],
-        plan_s_per_id=total["plan_s"] / ids,
+        plan_s_per_id=total["plan_s"] / ids, moved_rows_by_table=tuple(moved), cache_filled=filled,
+        cache_rows_per_table=float(np.mean(cache_rows)),
     )
 
 
@@ -171,6 +217,14 @@ def zipf_id_stream(num_tables: int, rows_per_table: int, batch_size: int, num_st
     rng = np.random.default_rng(seed)
     return [(rows_per_table, [sample_zipf_ranks(rng, rows_per_table, alpha, batch_size) for _ in range(num_steps)])
             for _ in range(num_tables)]
+
+
+def zipf_fill(rows_per_table: int, alpha: float, num_ids: int, seed: int = 1) -> np.ndarray:
+    """``num_ids`` earlier ids of one Zipf table (same distribution as :func:`zipf_id_stream`'s):
+    the history that fills a large cache before a replay (``replay_table(fill=...)``)."""
+    from ..data.criteo_synth import sample_zipf_ranks
+
+    return sample_zipf_ranks(np.random.default_rng(seed), rows_per_table, alpha, num_ids).astype(np.int64)
 
 
 def criteo_id_stream(work_dir: Any, batch_size: int, num_steps: int, num_tables: int = 26,

@@ -91,6 +91,9 @@ class Measurement:
 
     times: List[float]
     deltas: Dict[str, float]
+    #: bytes this rank moved (fetches + write-backs) during each measured step: the per-rank
+    #: load whose maximum over ranks a synchronous step waits for (stragglers)
+    step_bytes: List[float] = field(default_factory=list)
 
 
 def _train(pipeline: Any, batches: List[Any], warmup: int) -> Measurement:
@@ -99,6 +102,8 @@ def _train(pipeline: Any, batches: List[Any], warmup: int) -> Measurement:
     # (rows_fetched_at_lookup: rows copied while their lookup waited, on the critical path)
     stats = pipeline.stats if hasattr(pipeline, "prefetch_depth") else (lambda: {})
     start: Dict[str, float] = {}
+    step_bytes: List[float] = []
+    last = 0.0
     step = 0
     while True:
         t0 = time.perf_counter()
@@ -108,11 +113,23 @@ def _train(pipeline: Any, batches: List[Any], warmup: int) -> Measurement:
             break
         if step >= warmup:
             times.append(time.perf_counter() - t0)
+            moved = stats().get("bytes_moved", 0.0)  # (outside the timed span)
+            step_bytes.append(moved - last)
+            last = moved
         step += 1
         if step == warmup:
             start = stats()
+            last = start.get("bytes_moved", 0.0)
     end = stats()
-    return Measurement(times, {k: end.get(k, 0.0) - start.get(k, 0.0) for k in end if k != "hit_rate"})
+    return Measurement(times, {k: end.get(k, 0.0) - start.get(k, 0.0) for k in end if k != "hit_rate"}, step_bytes)
+
+
+def _per_rank(values: List[float]) -> List[List[float]]:
+    """Every rank's ``values`` (same length on every rank), rank by rank."""
+    t = torch.tensor(values, dtype=torch.float64)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [x.tolist() for x in out]
 
 
 def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], world_size: int,
@@ -157,6 +174,8 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         "overflow_rows_per_step": overflow / n,
         "hit_rate": hits / req if req else (1.0 if total else None),
         "step_ms_per_round": per_round,
+        # the first round's bytes moved per step, per rank (counters: data, cache and depth only)
+        "bytes_moved_by_rank_step": _per_rank(runs[0].step_bytes) if runs[0].step_bytes else [],
         **extra,
     }
 

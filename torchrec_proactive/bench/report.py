@@ -150,11 +150,21 @@ def format_table(report: Dict[str, Any]) -> str:
         ranks = sorted({v["ranks"] for v in scaling["validation"]})
         line = (f"scaling study: the step model reproduces these runs ({len(scaling['validation'])} configurations "
                 f"at {'/'.join(map(str, ranks))} rank(s)) within {100 * worst:.1f}%")
+        if scaling.get("held_out_max_abs_error") is not None:
+            held = sum(1 for v in scaling["validation"] if v.get("held_out"))
+            line += (f"; {held} held out: max |error| {100 * scaling['held_out_max_abs_error']:.1f}%, calibration "
+                     f"{100 * (scaling.get('calibration_max_abs_error') or 0.0):.1f}%")
         if worst > VALIDATION_TOLERANCE:
             line += (f" - over {100 * VALIDATION_TOLERANCE:.0f}%: the runs are too short or the machine too busy to "
                      f"validate it (their medians move more than the model's error); rerun without --quick on an "
                      f"idle machine before reading the projection")
         lines.append(line)
+        for row in scaling.get("stragglers") or []:
+            lines.append(f"stragglers, {row['ranks']} rank(s), skew {row['skew']:g}: reactive {row['reactive_ms']:.1f} ms, "
+                         f"depth 1 (TorchRec's prefetch pipeline) {row['depth1_ms']:.1f} ms, best depth "
+                         f"{row['best_depth']} {row['best_depth_ms']:.1f} ms "
+                         f"({row['reactive_ms'] / row['best_depth_ms']:.2f}x reactive, "
+                         f"{row['depth1_ms'] / row['best_depth_ms']:.2f}x depth 1)")
     if "auto_depth" in report:
         lines.append(f"auto chose depth {report['auto_depth']}")
     if noise:

@@ -47,7 +47,7 @@ def _settings(args: argparse.Namespace) -> Any:
     from .workload import Workload
 
     workload = Workload(num_tables=args.tables, rows_per_table=args.rows, embedding_dim=args.dim,
-                        batch_size=args.batch_size, zipf_alpha=args.zipf_alpha)
+                        batch_size=args.batch_size, zipf_alpha=args.zipf_alpha, skew=args.skew)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     s = BenchSettings(
         workload=workload, sharding=args.sharding, cache_load_factor=args.cache_load_factor,
@@ -136,6 +136,31 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--scaling", type=Path, metavar="DIR",
                      help="also run 1 rank, validate the step model on both runs, project it to GPU systems (H100, "
                           "H200, GH200) and write projection.png/json here; default: none")
+    sc = p.add_argument_group("scaling study (with --scaling)")
+    sc.add_argument("--scaling-profile", type=comma_list(str, "profile names"), default=None, metavar="NAME,...",
+                    help="hardware profiles to project to (dgx_h100, dgx_h200, gh200; a name's start works); "
+                         "default: all three")
+    sc.add_argument("--scaling-tables", type=int_at_least(1), default=26, metavar="N",
+                    help="sparse features of the projected model (one table each)")
+    sc.add_argument("--scaling-rows", type=int_at_least(1), default=40_000_000, metavar="N",
+                    help="rows per table of the projected model (cache sizes are shares of it)")
+    sc.add_argument("--scaling-dim", type=int_at_least(1), default=128, metavar="D", help="embedding dimension")
+    sc.add_argument("--scaling-batch", type=int_at_least(1), default=4096, metavar="B", help="samples per GPU")
+    sc.add_argument("--scaling-ids-per-sample", type=float_above(0.0), default=1.0, metavar="X",
+                    help="ids per sample and table (multi-hot: MLPerf DLRM-dcnv2 averages about 8)")
+    sc.add_argument("--scaling-host-link-gbps", type=float_above(0.0), default=None, metavar="GBPS",
+                    help="achievable host->device copy bandwidth per direction (band +-10%%); default: each "
+                         "profile's cited figure")
+    sc.add_argument("--scaling-network-gbps", type=float_above(0.0), default=None, metavar="GBPS",
+                    help="achievable NIC bandwidth per GPU per direction (band +-10%%); default: the profile's")
+    sc.add_argument("--scaling-trace", type=Path, default=None, metavar="NPY",
+                    help="your ids to replay instead of Zipf: an .npy of shape [samples, tables] (e.g. a "
+                         "TorchRec-preprocessed Criteo day_N_sparse.npy); default: Zipf ids")
+    sc.add_argument("--scaling-straggler-ranks", type=comma_list(int_at_least(1), "integers >= 1"), default="1,2,4",
+                    metavar="N,...", help="gloo rank counts of the measured straggler runs (skewed tables, "
+                                          "table-wise; small model, link-bound)")
+    sc.add_argument("--scaling-straggler-skew", type=float_in(-1e-12, 0.99), default=0.5, metavar="S",
+                    help="table skew of the straggler runs (see --skew)")
     out.add_argument("--sweep-bandwidth", type=comma_list(float_above(0.0), "numbers > 0"), metavar="GBPS,...",
                      help="comma-separated emulated link bandwidths in GB/s: one run each, warns when the rates "
                           "are non-monotonic beyond noise; default: no sweep")
@@ -155,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--batch-size", type=int_at_least(1), default=512, metavar="B", help="samples per rank per step")
     w.add_argument("--zipf-alpha", type=float_above(0.0), default=1.05, metavar="A",
                    help="Zipf skew of the sparse ids")
+    w.add_argument("--skew", type=float_in(-1e-12, 0.99), default=0.0, metavar="S",
+                   help="skewed tables: table i's Zipf exponent is A * (1 + S * (1 - 2 i / (n - 1))), so "
+                        "table-wise shards differ in misses per step (stragglers)")
     w.add_argument("--cache-load-factor", type=float_in(0.0, 1.0), default=0.05, metavar="F",
                    help="device cache size as a fraction of each local shard's rows")
     m = p.add_argument_group("measurement")
@@ -205,23 +233,79 @@ def _sweep(args: argparse.Namespace, settings: Any, summary: Any) -> int:
     return 0
 
 
-def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
-    """The scaling study: validated on this run and a 1-rank run on the same link, projected
-    to GPU systems; writes projection.{json,png}. Returns its summary for the bench report."""
-    from .scaling_study import StudySettings, write_study
+def _study_settings(args: argparse.Namespace) -> Any:
+    """The projection's inputs from the command line (model shape, profiles, bandwidths, trace)."""
+    from .hardware import PROFILES, profile_named
+    from .scaling_study import StudySettings
+    from .step_model import DLRMShape
 
+    profiles = tuple(profile_named(n) for n in args.scaling_profile) if args.scaling_profile else PROFILES
+    if args.scaling_trace is not None and not args.scaling_trace.is_file():
+        raise ValueError(f"--scaling-trace {str(args.scaling_trace)!r}: no such file (expected an .npy of ids, "
+                         f"shape [samples, tables])")
+
+    def with_bw(p: Any) -> Any:
+        bands = {name: (lo, hi) for name, lo, hi in p.bands}
+        changes: Dict[str, Any] = {}
+        for key, value in (("host_link_achievable_gbps", args.scaling_host_link_gbps),
+                           ("network_achievable_gbps", args.scaling_network_gbps)):
+            if value is not None:
+                changes[key] = value
+                bands[key] = (0.9 * value, 1.1 * value)
+        return replace(p, **changes, bands=tuple((k, lo, hi) for k, (lo, hi) in bands.items())) if changes else p
+
+    shape = DLRMShape(batch_per_gpu=args.scaling_batch, num_features=args.scaling_tables,
+                      ids_per_feature=args.scaling_ids_per_sample, embedding_dim=args.scaling_dim,
+                      bottom_mlp=(13, 512, 256, args.scaling_dim))
+    study = StudySettings(shape=shape, zipf_rows=args.scaling_rows, profiles=tuple(with_bw(p) for p in profiles),
+                          trace=args.scaling_trace)
+    if args.quick:  # a smaller replay of the workload figures (a smoke test of the study)
+        study = replace(study, criteo_batch=256, replay_steps=10, replay_warmup=4, fill_ids_per_slot=0.0)
+    return study
+
+
+def _straggler_settings(settings: Any, args: argparse.Namespace) -> Any:
+    """The straggler runs: a small model with skewed tables, table-wise, its link calibrated
+    so that a cold fetch costs a whole resident step (the link is the bottleneck, so 4 ranks
+    on 2 cores measure the link, not the CPU); reactive, depth 1 (TorchRec's prefetch
+    pipeline schedule) and deeper. (Stragglers here come from the skew, which persists from
+    step to step; the projection adds batch-to-batch variance from the replay.)"""
+    w = settings.workload
+    small = replace(w, num_tables=4, rows_per_table=min(w.rows_per_table, 20_000), batch_size=min(w.batch_size, 256),
+                    skew=args.scaling_straggler_skew)
+    # A 20% cache: at 4 ranks one rank's table sees 4 x 256 ids a step, and the cache must
+    # hold k + 1 = 5 batches' rows, or prefetches wait for pins and no depth is what it says.
+    return replace(settings, workload=small, sharding="table_wise", depths=(1, 2, 4), include_auto=False,
+                   cache_load_factor=0.2,
+                   include_cache100=False, include_cache1=False, trace=False, target_fetch_fraction=1.0,
+                   link_bandwidth_gbps=None, warmup_steps=4 if args.quick else 6,
+                   measure_steps=8 if args.quick else 32, rounds=1 if args.quick else 2)
+
+
+def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+    """The scaling study: calibrated and validated on this run, a 1-rank run on the same link
+    regime and the straggler runs, projected to GPU systems; writes projection.{json,png}.
+    Returns its summary for the bench report."""
+    from .scaling_study import write_study
+
+    study = _study_settings(args)  # (checked by main before anything ran)
     runs = [report]
     if args.world_size != 1:
         # Its link calibrated as this run's was (a cold fetch costs the same share of a
         # resident step), unless a bandwidth was given: the same regime, not the same link
         # (the same link would put one rank's copy right at the length of its step, where a
         # run's jitter, not the model, decides).
-        one = replace(settings, trace=False, include_auto=False, include_cache1=False)
+        one = replace(settings, trace=False, include_auto=False)
         runs.insert(0, run_bench(one, world_size=1, label="scaling: 1-rank run")["report"])
-    # --quick: a smaller replay of the workload figures (a smoke test of the study).
-    study = StudySettings(zipf_rows=50_000, criteo_batch=256, replay_steps=10, replay_warmup=4) if args.quick else None
-    doc = write_study(args.scaling, runs, study)
-    return {k: doc[k] for k in ("validation", "validation_max_abs_error", "verdicts", "files")}
+    straggle = _straggler_settings(settings, args)
+    stragglers = []
+    for n in args.scaling_straggler_ranks:
+        rep = run_bench(straggle, world_size=n, label=f"scaling: stragglers, {n} rank(s)")["report"]
+        rep["settings"] = {**rep.get("settings", {}), "cache_load_factor": straggle.cache_load_factor}
+        stragglers.append(rep)
+    doc = write_study(args.scaling, runs, study, straggler_runs=stragglers)
+    return {k: doc.get(k) for k in ("validation", "validation_max_abs_error", "calibration_max_abs_error",
+                                     "held_out_max_abs_error", "stragglers", "verdicts", "files")}
 
 
 def _cache_planning(args: argparse.Namespace, summary: Any) -> int:
@@ -259,6 +343,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # `--json -` puts the JSON on stdout: the summary moves to stderr.
     summary = sys.stderr if args.json is not None and str(args.json) == "-" else sys.stdout
     settings = _settings(args)
+    if args.scaling:
+        try:
+            _study_settings(args)  # bad scaling inputs: one line, before anything runs
+        except ValueError as e:
+            _say(f"torchrec-proactive bench: {e}")
+            return 2
     try:
         if args.cache_planning:
             return _cache_planning(args, summary)

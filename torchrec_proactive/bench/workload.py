@@ -31,12 +31,17 @@ class Workload:
     batch_size: int = 512
     ids_per_feature: int = 1
     zipf_alpha: float = 1.05
+    #: skewed tables: table i's Zipf exponent is ``zipf_alpha * (1 + skew * (1 - 2 i / (n - 1)))``
+    #: (flatter tables miss more), so table-wise shards differ in rows copied per step
+    skew: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_tables", "rows_per_table", "embedding_dim", "batch_size", "ids_per_feature"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.skew < 1.0:
+            raise ValueError(f"skew must be in [0, 1), got {self.skew}")
         if self.embedding_dim % 4:
             raise ValueError(f"embedding_dim must be a multiple of 4 (FBGEMM), got {self.embedding_dim}")
 
@@ -46,8 +51,10 @@ class Workload:
         return [min(c, self.rows_per_table) for c in big]
 
     def alphas(self) -> List[float]:
-        """Zipf skew of each table's ids (one for all here; per table in the cache-planning case)."""
-        return [self.zipf_alpha] * len(self.cardinalities())
+        """Each table's Zipf exponent (all ``zipf_alpha`` unless ``skew``; the cache-planning
+        case's workload sets its own per table)."""
+        n = self.num_tables
+        return [self.zipf_alpha * (1 + self.skew * (1 - 2 * i / (n - 1) if n > 1 else 0.0)) for i in range(n)]
 
     def tables(self) -> List[EmbeddingBagConfig]:
         return [
