@@ -4,7 +4,7 @@ pooled tables on one (gloo, single-rank) process group, for tests of the kernel'
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 from unittest import mock
 
 import torch
@@ -25,22 +25,30 @@ def single_rank_group() -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
-def device_kernel(tables: Sequence[Tuple[str, int]], dim: int = 8, slots: int = 50, device: str = "cpu",
-                  optimizer: str = "exact_sgd", host: torch.Tensor = None) -> ProactiveEmbeddingBag:
-    """One group of ``(name, rows)`` tables (one feature each, ``f_<name>``) planned on the
-    device planner, ``slots`` cache slots per table."""
+def grouped_config(tables: Sequence[Tuple[str, int]], dim: int,
+                   fused_params: Optional[Sequence[Optional[Dict[str, Any]]]] = None) -> GroupedEmbeddingConfig:
+    """TorchRec's group config of ``(name, rows)`` tables (one feature each, ``f_<name>``),
+    whole on rank 0, planned ``fused_uvm_caching``; ``fused_params`` per table (e.g. the
+    ``cache_load_factor`` a plan's ``CacheParams`` give it)."""
     configs = []
-    for name, rows in tables:
+    for i, (name, rows) in enumerate(tables):
         shard = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[rows, dim], placement="rank:0/cpu")
         meta = ShardedTensorMetadata(shards_metadata=[shard], size=torch.Size([rows, dim]),
                                      tensor_properties=TensorProperties())
         configs.append(ShardedEmbeddingTable(
             num_embeddings=rows, embedding_dim=dim, name=name, feature_names=[f"f_{name}"], local_rows=rows,
             local_cols=dim, pooling=PoolingType.SUM, compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING,
-            local_metadata=shard, global_metadata=meta))
-    config = GroupedEmbeddingConfig(data_type=DataType.FP32, pooling=PoolingType.SUM, is_weighted=False,
-                                    has_feature_processor=False,
-                                    compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING, embedding_tables=configs)
+            local_metadata=shard, global_metadata=meta, fused_params=(fused_params or [None] * len(tables))[i]))
+    return GroupedEmbeddingConfig(data_type=DataType.FP32, pooling=PoolingType.SUM, is_weighted=False,
+                                  has_feature_processor=False,
+                                  compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING, embedding_tables=configs)
+
+
+def device_kernel(tables: Sequence[Tuple[str, int]], dim: int = 8, slots: int = 50, device: str = "cpu",
+                  optimizer: str = "exact_sgd", host: torch.Tensor = None) -> ProactiveEmbeddingBag:
+    """One group of ``(name, rows)`` tables (one feature each, ``f_<name>``) planned on the
+    device planner, ``slots`` cache slots per table."""
+    config = grouped_config(tables, dim)
     total = sum(rows for _, rows in tables)
     buffer = host.reshape(-1) if host is not None else torch.randn(total * dim, generator=torch.Generator().manual_seed(0))
     views, start = [], 0

@@ -216,30 +216,15 @@ def test_the_device_planner_refuses_per_table_budgets_in_one_line():
 def _kernel(load_factors: Dict[str, float], rows: int = 1000, planner: str = "host", table_budgets: str = "auto"):
     """A ``ProactiveEmbeddingBag`` of one TorchRec group of tables, each with the load factor
     its plan gave it (``CacheParams`` reach the kernel as the table's fused params)."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-    from torchrec.distributed.embedding_types import (EmbeddingComputeKernel, GroupedEmbeddingConfig,
-                                                      ShardedEmbeddingTable)
-    from torchrec.modules.embedding_configs import DataType, PoolingType
-
     from torchrec_proactive.integration.embedding_kernel import ProactiveEmbeddingBag
     from torchrec_proactive.integration.options import ProactiveOptions
 
-    from .device_kernel_fixture import single_rank_group
+    from .device_kernel_fixture import grouped_config, single_rank_group
 
     dim = 4
-    configs = []
-    for name, lf in load_factors.items():
-        shard = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[rows, dim], placement="rank:0/cpu")
-        meta = ShardedTensorMetadata(shards_metadata=[shard], size=torch.Size([rows, dim]),
-                                     tensor_properties=TensorProperties())
-        configs.append(ShardedEmbeddingTable(
-            num_embeddings=rows, embedding_dim=dim, name=name, feature_names=[f"f_{name}"], local_rows=rows,
-            local_cols=dim, pooling=PoolingType.SUM, compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING,
-            local_metadata=shard, global_metadata=meta, fused_params={"cache_load_factor": lf}))
-    config = GroupedEmbeddingConfig(data_type=DataType.FP32, pooling=PoolingType.SUM, is_weighted=False,
-                                    has_feature_processor=False,
-                                    compute_kernel=EmbeddingComputeKernel.FUSED_UVM_CACHING, embedding_tables=configs)
+    config = grouped_config([(name, rows) for name in load_factors], dim,
+                            [{"cache_load_factor": lf} for lf in load_factors.values()])
+    configs = config.embedding_tables
     buffer = torch.zeros(len(configs) * rows * dim)
     views = [buffer[i * rows * dim: (i + 1) * rows * dim].view(rows, dim) for i in range(len(configs))]
     options = ProactiveOptions(planner=planner, table_budgets=table_budgets)
