@@ -328,8 +328,8 @@ def test_no_address_absorbs_a_plans_padding_or_a_hot_rows_duplicates():
         engine.run([tb.plan])
         with mode:
             table.count_forward(tb.plan)
-            table.apply_gradients(tb.plan, torch.ones(n, DIM), checked=True, ok=torch.tensor(True))
-    bound = 2 * -(-n // 1024) + 2
+            table.apply_gradients(tb.plan, torch.ones(tb.plan.n, DIM), checked=True, ok=torch.tensor(True))
+    bound = 2 * -(-tb.plan.n // 1024) + 2  # (plan.n: the ids padded to their bucket)
     assert mode.worst and max(mode.worst.values()) <= bound, (mode.worst, bound)
     table.check_invariants(expect_drained=True)
 

@@ -47,6 +47,7 @@ from ..store import (
     NotPrefetchedError,
     OptimizerConfig,
     OptimType,
+    RowMapping,
     Segment,
     TableBatch,
     TieredTable,
@@ -469,14 +470,23 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                              weights, sample_major)
 
     def _prepare_on_device(self, features: KeyedJaggedTensor) -> PreparedBatch:
-        """The group's ids moved into the store's row space on their device: each id plus
-        the first row of its feature's table, the feature found from the KJT's offsets (one
-        ``searchsorted``, no host read). Unique rows are left to the device planner."""
-        values, offsets, stride = features.values(), features.offsets(), features.stride()
-        rows = device_store_rows(values, offsets, stride, self._feature_start, self._feature_start_device,
+        """The group's ids as they come, on their device: moving them into the store's row
+        space is part of the plan (``_row_mapping``), so that it runs inside the plan's graph."""
+        values = features.values()
+        return PreparedBatch(values, None, features.offsets(), False, features.stride(),  # type: ignore[arg-type]
+                             int(values.shape[0]), features.weights_or_none(), False)
+
+    def _row_mapping(self, prepared: PreparedBatch) -> RowMapping:
+        """Each id plus the first row of its feature's table, the feature found from the
+        KJT's offsets (one ``searchsorted``, no host read), checked against its own table's
+        rows (``device_store_rows``)."""
+        stride = prepared.stride
+        rows = functools.partial(self._device_rows, stride=stride)
+        return RowMapping(rows, prepared.offsets, (id(self), stride))
+
+    def _device_rows(self, values: torch.Tensor, offsets: torch.Tensor, stride: int) -> torch.Tensor:
+        return device_store_rows(values, offsets, stride, self._feature_start, self._feature_start_device,
                                  self._feature_rows_device)
-        return PreparedBatch(rows, None, offsets, False, stride, int(values.shape[0]),  # type: ignore[arg-type]
-                             features.weights_or_none(), False)
 
     def plan_prepared(self, prepared: PreparedBatch, overflow: bool = False) -> PlannedGroup:
         """Plans (and pins) a prepared batch; see ``plan_batch``."""
@@ -485,7 +495,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if self._on_device:
             self._report_device_checks()
             batch = plan_device_batch(self.store, p.rows, p.offsets, self._mode,  # type: ignore[arg-type]
-                                      self.prefetch_depth or None, overflow=overflow)
+                                      self.prefetch_depth or None, overflow=overflow, mapping=self._row_mapping(p))
         else:
             batch = plan_unique_rows(self.store, p.rows, p.inverse, p.offsets, self._mode, self.prefetch_depth or None,
                                      overflow=overflow, one_per_bag=p.one_per_bag)

@@ -18,6 +18,10 @@ What counts:
   it indexes, not its whole operand; any other op touches all of its inputs and outputs;
 * the *largest temporary*: the biggest tensor an op allocates (in-place and view results
   are not allocations).
+
+Kernels inside a plan that runs as a CUDA graph (``plan_graphs``) are counted in
+``graph_kernels``; the graph itself is one launch (``graph_replay``). Their ops and bytes
+count as any other's: a graph saves launches, not work.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from .plan_graphs import graph_region
 
 _aten = torch.ops.aten
 
@@ -67,6 +73,7 @@ class PhaseCost:
     names: List[str] = field(default_factory=list)
     launch_names: List[str] = field(default_factory=list)
     op_bytes: List[int] = field(default_factory=list)  # per launch
+    graph_kernels: int = 0  # kernels launched by graph replays (not in ``launches``)
 
     def key(self) -> tuple:
         """Everything that must not depend on the cache size, in one comparable value."""
@@ -81,6 +88,7 @@ class CostCounter(TorchDispatchMode):
         super().__init__()
         self.phases: Dict[str, PhaseCost] = {}
         self._phase: Optional[str] = None
+        self._region: Optional[int] = None  # the last graph region seen
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[PhaseCost]:
@@ -108,8 +116,16 @@ class CostCounter(TorchDispatchMode):
         cost.names.append(str(func.__name__ if hasattr(func, "__name__") else func))
         if func in _NO_LAUNCH or getattr(func, "is_view", False) or not outputs:
             return out
-        cost.launches += 1
-        cost.launch_names.append(cost.names[-1])
+        region = graph_region()
+        if region is None:
+            cost.launches += 1
+            cost.launch_names.append(cost.names[-1])
+        else:
+            cost.graph_kernels += 1
+            if region != self._region:  # a new replay: one launch for the whole graph
+                self._region = region
+                cost.launches += 1
+                cost.launch_names.append("graph_replay")
         touched = 0
         indexed = _INDEXED.get(func)
         skip = set()

@@ -43,15 +43,17 @@ costs per step are the same at 1M and 10M slots (``tests/test_device_cost.py``).
 write-backs) reach the host through the fetch worker's read-back (``resolve_sizes``), where
 waiting costs the training thread nothing.
 
-Launches. A plan (with the kernel's id mapping) issues about 104 ATen ops that launch a
-kernel, per group per step (``tests/test_device_cost.py`` counts them on fake CUDA tensors;
-``benchmarks/gpu_check.py`` reports ``plan_launches_per_group_step``). The target is 30;
-FBGEMM's cache path launches about 10 kernels written for it (find uncached, populate,
-lookup), whatever the batch. Eager tensor ops cannot get there: each fixed-shape step
-(masks, cumulative sums, compactions, the scatters into every bookkeeping array) is its own
-launch. Reaching it takes fused kernels (Triton, or FBGEMM's ``lru_cache_*`` ops where their
-state layout fits), which a CPU-only build can neither run nor count; until then the bound
-is a strict xfail in the cost tests.
+Launches. The plan proper (``_plan_body``, the kernel's id mapping included) is about 115
+fixed-shape ATen ops; eagerly each would be a kernel launch, ~1 ms of host time per group
+per step. On a GPU it runs as one CUDA graph per batch shape (``plan_graphs.py``): a step
+stages its ids and offsets, replays the graph and copies its outputs out, about 9 launches
+per group per step with the lookup recipe, the same at 1M and 10M slots
+(``tests/test_device_cost.py`` counts them on fake CUDA tensors; ``benchmarks/gpu_check.py``
+reports ``plan_launches_per_group_step``). FBGEMM's cache path launches about 10 kernels
+written for it. For that, ids are padded to a bucket (``plan.n`` entries, ``PAD_ID`` =
+no id) and the body changes no Python state (the LRU clock and the window's hand live on
+the device); off the GPU every plan is checked to repeat its shape's first one exactly
+(``plan_graphs.ReplayCheck``), which is what makes a replay correct.
 
 Per-table budgets. ``TieredTable``'s ``segment_slots`` (a group's slots partitioned among
 its tables) are refused here, in one line: the window and ``pinned_bound`` above cover one
@@ -63,8 +65,9 @@ see ``fetch/cuda.py`` for how bytes move between the host tier and the cache.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
@@ -73,9 +76,22 @@ from .async_count import AsyncCount
 from .eviction import EvictionPolicy
 from .fixed_shape import SPREAD, compact, padded_unique, spread
 from .optimizers import update_rows
+from .plan_graphs import PAD_ID, PlanGraphs, bucket
 from .tiered_table import TieredTable
 
 _NEVER = torch.iinfo(torch.int64).max
+
+
+@dataclass(frozen=True)
+class RowMapping:
+    """How a plan turns its ids into store rows, inside the plan (so that the mapping is
+    part of its graph): ``rows(ids, offsets)`` (ids equal to ``PAD_ID`` may map anywhere:
+    they are no id), with this batch's ``offsets``. ``key`` names whatever else the
+    mapping's shapes and arguments depend on (the batch's stride, the kernel)."""
+
+    rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    offsets: torch.Tensor
+    key: Hashable
 
 
 @dataclass
@@ -183,8 +199,6 @@ class DeviceTieredTable(TieredTable):
                 f"(TorchRec's use_one_tbe_per_table fused param)"
             )
         super().__init__(*args, **kwargs)
-        self._tick = 0
-        self._hand = 0  # where the next plan's victim window starts (see _window)
         self._num_permanent = 0 if self._hot_rows is None else int(self._hot_rows.numel())
         self._bounds: Dict[int, int] = {}  # id(plan) -> rows the host counts it as pinning
         self.host_syncs = 0  # overflow plans read their sizes on the host
@@ -214,6 +228,11 @@ class DeviceTieredTable(TieredTable):
         self.d_last_used = torch.zeros(S + SPREAD, dtype=torch.int64, device=dev)
         self.d_row_freq = (torch.zeros(R + SPREAD, dtype=torch.int32, device=dev)  # (as the host planner's)
                            if self.policy is EvictionPolicy.LFU else None)
+        # The LRU clock and where the next plan's victim window starts (see _window): device
+        # scalars, so that a plan's kernels take the same arguments every step (plan_graphs).
+        self.d_tick = torch.zeros((), dtype=torch.int64, device=dev)
+        self.d_hand = torch.zeros((), dtype=torch.int64, device=dev)
+        self.graphs = PlanGraphs(dev)
         self._spread_buffer = torch.empty(0, dtype=torch.int64, device=dev)
         self._pad_buffers = (self._spread_buffer, self._spread_buffer)
         self._bind_trash()
@@ -251,42 +270,100 @@ class DeviceTieredTable(TieredTable):
         return self.holds_every_row or self.pinned_bound + num_ids <= self.num_slots - self._num_permanent
 
     def plan_ids(self, ids: torch.Tensor, depth_hint: Optional[int] = None,
-                 overflow: bool = False, check_ids: bool = True) -> DeviceFetchPlan:
+                 overflow: bool = False, check_ids: bool = True,
+                 mapping: Optional["RowMapping"] = None) -> DeviceFetchPlan:
         """Plans and pins the rows of ``ids`` (store rows on the device, any order, duplicates
-        allowed). With ``check_ids``, ids outside the row space are counted in ``bad_ids``
-        and planned as the sentinel row (read from and updated in the trash slot, never a real
+        allowed; or, with ``mapping``, ids that ``mapping`` turns into store rows inside the
+        plan). With ``check_ids``, ids outside the row space are counted in ``bad_ids`` and
+        planned as the sentinel row (read from and updated in the trash slot, never a real
         row), so a bad id costs no host read; the caller reports ``bad_ids.poll()``.
 
         Without ``overflow`` raises ``CacheCapacityError`` (changing nothing) unless the batch
         surely fits (``surely_fits``). With it, misses that find no victim are served from
-        the host tier (a synchronisation: this path reads the plan's sizes)."""
+        the host tier (a synchronisation: this path reads the plan's sizes).
+
+        A steady-state plan (no overflow, no preload) is one CUDA graph launch per batch
+        shape on a GPU (``plan_graphs.py``); its tensors are padded to ``bucket(len(ids))``
+        entries (``plan.n``), of which the first ``len(ids)`` of ``plan.inverse`` are real."""
         self._check_owner()
-        n = int(ids.shape[0])
-        if self.surely_fits(n):
+        num_ids = int(ids.shape[0])
+        if self.surely_fits(num_ids):
             overflow = False  # nothing can overflow: plan without reading any size back
         elif not overflow:
-            self._raise_wait(n, depth_hint)
+            self._raise_wait(num_ids, depth_hint)
         preload = self._plan_preload() if self._preload_pending else None
-        S = self.num_slots
-        ids = ids.to(torch.int64)
+        tracked = not self.holds_every_row
+        inputs = [ids] if mapping is None else [ids, mapping.offsets]
+        # The window's size is known here (it follows the ids in flight) and rounded up to a
+        # bucket too, so that steady state replays a handful of graphs; a larger window only
+        # offers more victims.
+        span = self.num_slots - self._num_permanent
+        window = min(span, bucket(self.pinned_bound + num_ids))
+        map_rows = None if mapping is None else mapping.rows
+        body = functools.partial(self._plan_body, map_rows=map_rows, window=window,
+                                 check_ids=check_ids, tracked=tracked, overflow=overflow)
+        if overflow or preload is not None:
+            # Rare paths (a batch larger than the cache can give it; the first plan after a
+            # reset): planned eagerly, at the batch's own length.
+            staged = [ids.to(torch.int64), *inputs[1:]]
+            outs = list(body(*staged))
+        else:
+            key = (map_rows is not None and mapping.key, window, check_ids)  # type: ignore[union-attr]
+            outs = self.graphs.run(key, body, inputs, bucket(num_ids))
+        rows, inverse, slots, fill_rows, fill_slots, wb_rows, wb_slots, counts = outs[:8]
+        overflow_rows = outs[8] if overflow else None
+        num_preloaded = 0
+        if preload is not None:
+            p_rows, p_slots = preload
+            num_preloaded = int(p_rows.shape[0])
+            fill_rows, fill_slots = torch.cat([p_rows, fill_rows]), torch.cat([p_slots, fill_slots])
+            counts.narrow(0, 1, 1).add_(num_preloaded)  # (counts is this plan's own tensor)
+        plan = DeviceFetchPlan(self, int(rows.shape[0]), rows, inverse.narrow(0, 0, num_ids), slots, fill_rows,
+                               fill_slots, wb_rows, wb_slots, counts, overflow_rows=overflow_rows,
+                               preload=preload is not None, num_preloaded=num_preloaded,
+                               row_bound=num_ids if tracked else 0)
+        self._in_flight += 1
+        self._bounds[id(plan)] = plan.row_bound
+        if overflow:
+            plan.resolve_sizes()  # (the one place a plan's sizes are read where the caller waits)
+            self.host_syncs += 1
+        return plan
+
+    def _plan_body(self, ids: torch.Tensor, *extra: torch.Tensor, map_rows: Optional[Callable[..., torch.Tensor]],
+                   window: int, check_ids: bool, tracked: bool, overflow: bool) -> Tuple[torch.Tensor, ...]:
+        """The plan proper: fixed-shape tensor ops on the store's persistent buffers, whose
+        shapes and arguments depend only on ``len(ids)`` and the keyword arguments (what
+        ``plan_graphs`` captures). It changes no Python state: the LRU clock and the
+        window's hand are device tensors. Entries of ``ids`` equal to ``PAD_ID`` are no id.
+
+        Returns ``rows, inverse, slots, fill_rows, fill_slots, writeback_rows,
+        writeback_slots, counts`` (and ``overflow_rows`` with ``overflow``)."""
+        n = int(ids.shape[0])
+        S, sentinel = self.num_slots, self.sentinel
+        spare = spread(n, self.device)
+        pad_rows, pad_slots = spare + sentinel, spare + self.trash  # (paired: row R + j <-> slot S + j)
+        no_id = ids == PAD_ID
+        rows = ids if map_rows is None else map_rows(ids, *extra)
         if check_ids:
-            bad = (ids < 0) | (ids >= self.num_rows)
+            bad = ((rows < 0) | (rows >= self.num_rows)) & no_id.logical_not()
             self.bad_ids.add(bad.sum())
-            ids = ids.masked_fill(bad, self.sentinel)  # (masked_fill: no device scalar to make)
-        spare, pad_rows, pad_slots = self._pads(n)  # (paired: row R + j <-> slot S + j)
-        rows, inverse, num_unique = padded_unique(ids, pad_rows, spare)
+            no_id = no_id | bad
+        rows = rows.masked_fill(no_id, sentinel)  # (masked_fill: no device scalar to make)
+        rows, inverse, _ = padded_unique(rows, pad_rows, spare)
+        # The distinct real rows come first; the sentinel (no id, bad ids) and the padding
+        # pairs sort after them and are not counted.
+        num_unique = (rows < sentinel).sum()
         slots = self.d_row_to_slot.index_select(0, rows).to(torch.int64)
         miss = slots < 0
-        tracked = not self.holds_every_row
         if tracked:
             # Pin the hits first, so that the victim search cannot choose them.
             self.d_pins.index_add_(0, torch.where(miss, pad_slots, slots), torch.ones_like(slots))
         # Victims: the slots of this plan's window ranked (blocked last), lowest first;
         # miss j takes the j-th. Never a pass over the whole cache (see _window).
-        window = self._window(n)
-        w = int(window.shape[0])
-        rank = self._rank(window)
-        ranked = window.index_select(0, torch.argsort(rank, stable=True))
+        candidates = self._window(window, n)
+        w = int(candidates.shape[0])
+        rank = self._rank(candidates)
+        ranked = candidates.index_select(0, torch.argsort(rank, stable=True))
         num_evictable = (rank < _NEVER).sum()
         miss_rank = torch.cumsum(miss, 0) - 1
         has_victim = miss & (miss_rank < num_evictable)
@@ -307,39 +384,27 @@ class DeviceTieredTable(TieredTable):
             self.d_pins.index_add_(0, victims, has_victim.to(torch.int64))
         overflows = miss & has_victim.logical_not()
         slots = torch.where(has_victim, victims, slots)
-        overflow_rows = None
+        outs: List[torch.Tensor] = []
         if overflow:
             over_rank = torch.cumsum(overflows, 0) - 1
             slots = torch.where(overflows, S + SPREAD + over_rank, slots)
-            (overflow_rows, num_overflow) = compact(overflows, self.sentinel, rows, spare=spare)
+            overflow_rows, num_overflow = compact(overflows, sentinel, rows, spare=spare)
+            outs.append(overflow_rows)
         else:
             num_overflow = torch.zeros((), dtype=torch.int64, device=self.device)
-        # Recency (and frequency) of the rows read from the cache.
-        self._tick += 1
+        # Recency (and frequency) of the rows read from the cache: the clock is a device
+        # tensor (a Python counter would be a kernel argument, frozen into a graph).
+        self.d_tick.add_(1)
         cached = torch.where(overflows, pad_slots, slots)
-        self.d_last_used.index_fill_(0, cached, self._tick)
+        self.d_last_used.index_copy_(0, cached, self.d_tick.expand(n))
         if self.d_row_freq is not None:
             self.d_row_freq.index_add_(0, torch.where(overflows, pad_rows, rows), torch.ones_like(rows, dtype=torch.int32))
-        fill_rows, fill_slots, num_fills = compact(has_victim, self.sentinel, rows, victims, spare=spare)
-        fill_slots = torch.where(fill_rows == self.sentinel, pad_slots, fill_slots)
-        wb_rows, wb_slots, num_wb = compact(writes_back, self.sentinel, old_rows, victims, spare=spare)
-        wb_slots = torch.where(wb_rows == self.sentinel, pad_slots, wb_slots)
-        num_preloaded = 0
-        if preload is not None:
-            p_rows, p_slots = preload
-            num_preloaded = int(p_rows.shape[0])
-            fill_rows, fill_slots = torch.cat([p_rows, fill_rows]), torch.cat([p_slots, fill_slots])
-            num_fills = num_fills + num_preloaded
+        fill_rows, fill_slots, num_fills = compact(has_victim, sentinel, rows, victims, spare=spare)
+        fill_slots = torch.where(fill_rows == sentinel, pad_slots, fill_slots)
+        wb_rows, wb_slots, num_wb = compact(writes_back, sentinel, old_rows, victims, spare=spare)
+        wb_slots = torch.where(wb_rows == sentinel, pad_slots, wb_slots)
         counts = torch.stack([num_unique, num_fills, num_wb, num_overflow])
-        plan = DeviceFetchPlan(self, n, rows, inverse, slots, fill_rows, fill_slots, wb_rows, wb_slots, counts,
-                               overflow_rows=overflow_rows, preload=preload is not None,
-                               num_preloaded=num_preloaded, row_bound=n if tracked else 0)
-        self._in_flight += 1
-        self._bounds[id(plan)] = plan.row_bound
-        if overflow:
-            plan.resolve_sizes()  # (the one place a plan's sizes are read where the caller waits)
-            self.host_syncs += 1
-        return plan
+        return (rows, inverse, slots, fill_rows, fill_slots, wb_rows, wb_slots, counts, *outs)
 
     def pinned_slots(self) -> int:
         """Slots pinned now (a host read of the device: for messages on the overflow path,
@@ -367,25 +432,23 @@ class DeviceTieredTable(TieredTable):
                 f"table on one stream (TrainPipelineSemiSync and PrefetchTrainPipelineSparseDist use side streams)"
             )
 
-    def _window(self, n: int) -> torch.Tensor:
-        """The slots a plan of ``n`` ids searches for victims: ``pinned_bound + n`` of the
-        evictable range ``[num_permanent, num_slots)`` from a clock hand that moves ``n``
-        slots per plan (sampled LRU/LFU, as the host planner's ``SlotRanking``; FBGEMM's
-        cache is set-associative for the same reason). Its size is known on the host and
-        follows the ids in flight, never the cache: a plan costs O(ids).
+    def _window(self, size: int, n: int) -> torch.Tensor:
+        """The ``size`` slots a plan of ``n`` ids searches for victims, from a clock hand that
+        moves ``n`` slots per plan (sampled LRU/LFU, as the host planner's ``SlotRanking``;
+        FBGEMM's cache is set-associative for the same reason), within the evictable range
+        ``[num_permanent, num_slots)``. ``size`` is at least ``pinned_bound + n`` (or the
+        whole range), known on the host; it follows the ids in flight, never the cache, so a
+        plan costs O(ids). The hand is a device tensor (see ``_plan_body``).
 
         Why it always holds a victim for every miss of a batch that ``surely_fits``: at most
         ``pinned_bound`` of its slots are pinned by other batches and at most ``n - misses``
         by this batch's own hits, so ``pinned_bound + n`` slots leave ``misses`` evictable.
         (Permanent slots are the first ``num_permanent``, outside the range.)"""
         start, span = self._num_permanent, self.num_slots - self._num_permanent
-        w = min(span, self.pinned_bound + n)
-        if w <= 0:  # nothing evictable: one blocked candidate (the trash slot) keeps shapes valid
+        if size <= 0 or span <= 0:  # nothing evictable: one blocked candidate (the trash slot) keeps shapes valid
             return torch.full((1,), self.trash, dtype=torch.int64, device=self.device)
-        window = torch.arange(self._hand, self._hand + w, dtype=torch.int64, device=self.device)
-        if self._hand + w > span:
-            window = torch.remainder(window, span)
-        self._hand = (self._hand + n) % span
+        window = torch.remainder(torch.arange(size, dtype=torch.int64, device=self.device) + self.d_hand, span)
+        self.d_hand.add_(n).remainder_(span)
         return window + start if start else window
 
     def _rank(self, slots: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InvalidInputError
-from .device_table import DeviceTieredTable
+from .device_table import DeviceTieredTable, RowMapping
 from .fixed_shape import segment_sum
 from .optimizers import clip_output_gradient
 from .tiered_table import FetchPlan, TieredTable, unique_rows
@@ -102,13 +102,15 @@ def plan_device_batch(
     depth_hint: Optional[int] = None,
     overflow: bool = False,
     one_per_bag: bool = False,
+    mapping: Optional[RowMapping] = None,
 ) -> TableBatch:
     """``plan_table_batch`` on a table that plans on its device: ``ids`` are store rows on
-    the device (any order); nothing is read on the host. ``one_per_bag`` must be given (it
-    cannot be checked without a host read); False is always correct."""
+    the device (any order), or ids that ``mapping`` turns into store rows within the plan;
+    nothing is read on the host. ``one_per_bag`` must be given (it cannot be checked
+    without a host read); False is always correct."""
     if mode not in ("sum", "mean"):
         raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
-    plan = table.plan_ids(ids, depth_hint, overflow)
+    plan = table.plan_ids(ids, depth_hint, overflow, mapping=mapping)
     if offsets.device.type != table.device.type or offsets.dtype != torch.int64:
         offsets = offsets.to(device=table.device, dtype=torch.int64, non_blocking=True)
     return TableBatch(plan, plan.inverse, offsets, mode, one_per_bag)  # type: ignore[arg-type]

@@ -12,9 +12,10 @@ devices without storage), under a dispatch mode that raises :class:`HostSyncErro
 every operation that would read device data on the host. Code that passes under it needs
 no synchronisation on a real GPU, because fake tensors have no values to read.
 
-One limitation of fake CUDA tensors on a CPU-only build of torch: Python slicing
+Two limitations of fake CUDA tensors on a CPU-only build of torch: Python slicing
 (``t[1:]``) of a CUDA tensor fails there for lack of CUDA support (not because it would
-sync), so device-side code uses ``narrow`` instead.
+sync), so device-side code uses ``narrow`` instead; and ``copy_`` between two CUDA tensors
+fails the same way, so the guard answers it itself (it moves nothing a fake tensor holds).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class _HostReadGuard(TorchDispatchMode):
             if _is_device(dst) and not _is_device(src) and not self._setup:
                 self._upload(src, dst.device, args[2] if len(args) > 2 else kwargs.get("non_blocking", False),
                              name, dst.dtype)
+                return dst
+            if _is_device(dst) and _is_device(src):
+                # Device to device: no host involvement. (Fake CUDA tensors cannot run
+                # ``copy_`` on a CPU-only build; with no values to move, dst is the result.)
                 return dst
         try:
             return func(*args, **kwargs)
