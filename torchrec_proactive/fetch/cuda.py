@@ -1,6 +1,26 @@
 """CUDA transport: a dedicated copy stream, reused pinned staging, events.
 
-A ticket's data moves in three parts, all FIFO on one worker thread and one copy stream:
+Device plans (``DeviceTieredTable`` whose host tier the GPU addresses: FBGEMM host-mapped
+UVM) move with no host involvement: the issuing thread enqueues, on the copy stream, a
+wait for the plan's ready event, one ``move_rows_`` kernel per tensor and direction
+(write-backs, then fills; ``store/row_moves.py``: padding entries do nothing, so no size
+is read on the host) and a copy of the plan's sizes into pinned memory, then records
+E_done and goes on. The training thread never waits for these tickets, whatever the depth
+(``FetchEngine.wait`` finds them done; the lookup's stream waits on E_done on the GPU). A
+flush, drain or synchronous move that reads the host tier next waits for E_done on the
+host (``settle``). Timeline, one ticket::
+
+    1. M  plan(N+k) on C, then issue: records E_ready on C, and on X: wait(E_ready),
+          write-back kernels, fill kernels, sizes -> pinned, record E_done. No host wait.
+    2. M  forward(N+k): C.wait_event(E_done) before the lookup reads the slots.
+    3. M  later, at any issue or wait: the sizes' copy has landed (E_done passed) -> the
+          statistics and the host's pinned-row bound take them in (``poll_sizes``).
+
+When the worker still has tickets queued, a device ticket is queued behind them (the
+worker enqueues the same kernels), so tickets start in issue order either way.
+
+Everything else (host-planned tables, overflow plans, a host tier the GPU cannot address)
+moves in three parts, all FIFO on one worker thread and one copy stream:
 
 1. *write back* dirty victims: gather their cache rows on the copy stream into a device
    staging buffer, copy it into pinned host staging, synchronise, scatter into the host tier;
@@ -57,9 +77,11 @@ waiting stream before the host blocks for the ticket, ``complete`` records E_wai
 E_wait1`` is how long that stream sat blocked on the copy. Pairs are read once both have
 completed (no synchronisation), summed in ``gpu_stall_ms``.
 
-Plans of a ``DeviceTieredTable`` hold their row lists and sizes on the device: step 4
-starts by reading them back on X (``resolve_sizes``: the worker W blocks, the training
-thread never does), then moves the same bytes. Every list is bounded by the batch's ids,
+Plans of a ``DeviceTieredTable`` that take this path (overflow, no host-mapped tier) hold
+their row lists and sizes on the device: step 4 starts by reading them back on X
+(``resolve_sizes``: the worker W blocks), then moves the same bytes. Before its first host
+read of a host tier after device moves, the worker synchronises X (those kernels write
+the host tier). Every list is bounded by the batch's ids,
 and a flush moves one bounded chunk per ticket, so staging never grows with the dirty set.
 
 Nothing here imports TorchRec.
@@ -73,6 +95,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..store.device_table import DeviceFetchPlan
+from ..store.row_moves import moves_on_device
 from .engine import Ticket, Transport
 
 
@@ -139,6 +162,9 @@ class CudaStreamTransport(Transport):
         self._stall_events: Deque[Tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self.gpu_stall_ms = 0.0
         self._wait_started: Dict[int, Any] = {}  # ticket seq -> E_wait0 (see begin_wait)
+        self._moves_on_device = moves_on_device(self.device)
+        self._device_moves_unsynced = False  # kernels on X may still write a host tier
+        self.device_tickets = 0  # tickets whose moves were enqueued without a host read
 
     def prepare(self, ticket: Ticket) -> None:
         # Recorded on the stream that owns the cache (a DeviceTieredTable's planning stream),
@@ -148,9 +174,42 @@ class CudaStreamTransport(Transport):
                       if getattr(p.table, "owner_stream", None) is not None), None)
         ticket.ready_event = (owner or torch.cuda.current_stream(self.device)).record_event()
 
+    def runs_on_issue(self, ticket: Ticket) -> bool:
+        return self._moves_on_device and all(
+            isinstance(p, DeviceFetchPlan) and p.overflow_rows is None and p.table.host_on_device is not None
+            for p in ticket.plans)
+
+    def settle(self, ticket: Ticket) -> None:
+        if ticket.host_pending and ticket.device_event is not None:
+            ticket.device_event.synchronize()
+            ticket.host_pending = False
+
+    @torch.no_grad()
+    def _enqueue_on_device(self, ticket: Ticket) -> None:
+        stream = self.copy_stream
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(ticket.ready_event)
+            for plan in ticket.plans:
+                for t in (plan.writeback_rows, plan.writeback_slots, plan.fill_rows, plan.fill_slots, plan.counts):
+                    # Allocated on the owner stream and read here: not reused before X read them.
+                    t.record_stream(stream)
+                plan.table.enqueue_moves(plan)
+                plan.read_sizes_later()
+            ticket.device_event = stream.record_event()
+        ticket.host_pending = True
+        self._device_moves_unsynced = True
+        self.device_tickets += 1
+
     @torch.no_grad()
     def run(self, ticket: Ticket) -> None:
+        if self.runs_on_issue(ticket):
+            self._enqueue_on_device(ticket)
+            return
         stream = self.copy_stream
+        if self._device_moves_unsynced:
+            # Kernels of earlier device tickets write host tiers this ticket may read on the host.
+            stream.synchronize()
+            self._device_moves_unsynced = False
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(ticket.ready_event)
             for plan in ticket.plans:
@@ -287,4 +346,5 @@ class CudaStreamTransport(Transport):
 
     def describe(self) -> Dict[str, Any]:
         return {"kind": self.kind, "device": str(self.device), "pinned_allocations": self.staging.allocations,
-                "gpu_stall_s": self.gpu_stall_s}
+                "gpu_stall_s": self.gpu_stall_s, "moves_on_device": self._moves_on_device,
+                "device_tickets": self.device_tickets}

@@ -11,7 +11,15 @@ Transports decide *how* the bytes move:
 * :class:`EmulatedLinkTransport` - CPU, a worker thread performs the real copy and completes
   no earlier than a copy-engine model (``latency + bytes / bandwidth``, one transfer at a time)
   says. Figures measured with it are labelled ``link="emulated"``.
-* ``CudaStreamTransport`` (fetch/cuda.py) - a dedicated copy stream with pinned staging.
+* ``CudaStreamTransport`` (fetch/cuda.py) - a dedicated copy stream: device plans' moves
+  enqueued by the issuing thread itself, others through pinned staging on the worker.
+
+A transport may run a ticket *on issue* (``runs_on_issue``): its moves are only enqueued
+on a device queue, so issuing them costs the issuing thread no wait. The engine does so
+whenever the worker has nothing left to run, which keeps one order: a ticket never starts
+before one issued earlier has. Such a ticket is done when issued; the sizes of its plans
+may reach the host later (``poll_sizes``), and the engine's byte and row counts take them
+in then.
 
 The engine knows nothing of TorchRec.
 """
@@ -24,8 +32,9 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 from ..store.errors import NotPrefetchedError, StoreStateError
 from ..store.tiered_table import FetchPlan
@@ -36,7 +45,7 @@ class Ticket:
 
     __slots__ = (
         "seq", "tag", "plans", "issued_at", "started_at", "completed_at",
-        "waited", "_done", "_error", "_engine", "device_event", "ready_event",
+        "waited", "_done", "_error", "_engine", "device_event", "ready_event", "host_pending",
     )
 
     def __init__(self, engine: "FetchEngine", seq: int, tag: Any, plans: List[FetchPlan]) -> None:
@@ -54,6 +63,8 @@ class Ticket:
         # `ready_event` is recorded on the compute stream at issue time (see fetch/cuda.py).
         self.device_event: Any = None
         self.ready_event: Any = None
+        # The moves may still be running on the device, writing the host tier (see ``settle``).
+        self.host_pending = False
 
     @property
     def done(self) -> bool:
@@ -61,6 +72,16 @@ class Ticket:
 
     # Sizes are read from the plans when asked: a plan made on a device learns them only
     # when the transport has read them back (by the time the ticket is done).
+    def sizes_known(self) -> bool:
+        """Whether every plan's sizes are on the host (reading them where that is free)."""
+        return all(p.poll_sizes() for p in self.plans if hasattr(p, "poll_sizes"))
+
+    def resolve_sizes(self) -> None:
+        """Reads every plan's sizes, waiting for them if need be (only where waiting is free)."""
+        for p in self.plans:
+            if hasattr(p, "resolve_sizes"):
+                p.resolve_sizes()
+
     @property
     def num_bytes(self) -> int:
         return sum(p.bytes_to_move for p in self.plans)
@@ -76,6 +97,8 @@ class Ticket:
 
     def __repr__(self) -> str:
         state = "done" if self.done else "in flight"
+        if not self.sizes_known():
+            return f"Ticket(seq={self.seq}, tag={self.tag!r}, sizes on the device, {state})"
         return f"Ticket(seq={self.seq}, tag={self.tag!r}, rows={self.num_rows}, bytes={self.num_bytes}, {state})"
 
 
@@ -87,6 +110,15 @@ class Transport(abc.ABC):
 
     def prepare(self, ticket: Ticket) -> None:
         """Called on the issuing thread before the ticket is queued (stream fences)."""
+
+    def runs_on_issue(self, ticket: Ticket) -> bool:
+        """Whether ``run`` only enqueues device work for ``ticket`` (no host wait), so the
+        issuing thread may run it itself when the worker has nothing queued."""
+        return False
+
+    def settle(self, ticket: Ticket) -> None:
+        """Waits until the host tier holds what ``ticket`` wrote back (only where the host
+        reads it next: a flush, a drain, a synchronous move)."""
 
     @abc.abstractmethod
     def run(self, ticket: Ticket) -> None:
@@ -221,6 +253,8 @@ class FetchEngine:
         self._worker: Optional[threading.Thread] = None
         self._closed = False
         self._failure: Optional[BaseException] = None  # set by the executing thread
+        # Done tickets not counted in ``stats`` yet (their sizes are still on the device).
+        self._unsized: Deque[Ticket] = deque()
         self._recovered = True
         self._finalizer: Optional[weakref.finalize] = None
         if self.transport.asynchronous:
@@ -243,18 +277,28 @@ class FetchEngine:
             for plan in ticket.plans:
                 plan.table.rollback(plan)
             raise
+        inline = self._worker is None or (self.transport.runs_on_issue(ticket) and not self._worker_busy())
         self._outstanding[ticket.seq] = ticket
         self.stats.tickets += 1
-        if self._worker is None:
+        if inline:
             self._execute(ticket)
         else:
             self._queue.put(ticket)
+        self._count_sized()
         return ticket
+
+    def _worker_busy(self) -> bool:
+        # Tickets finish in issue order, so the worker is idle once the newest one is done.
+        return bool(self._outstanding) and not all(t.done for t in self._outstanding.values())
 
     def run(self, plans: Sequence[FetchPlan], tag: Any = None) -> float:
         """Issues ``plans`` and waits for them: a synchronous move that still takes its turn
-        behind every ticket issued before it. Returns the seconds spent blocked."""
-        return self.wait(self.issue(plans, tag))
+        behind every ticket issued before it; the host tier is current afterwards. Returns
+        the seconds spent blocked."""
+        ticket = self.issue(plans, tag)
+        stall = self.wait(ticket)
+        self.transport.settle(ticket)
+        return stall
 
     def flush(self, tables: Sequence[Any]) -> None:
         """Writes every dirty cached row of ``tables`` back to their host tier, in its turn
@@ -287,18 +331,36 @@ class FetchEngine:
             raise ticket._error
         # Every waiter's stream is fenced, not only the first one's (see fetch/cuda.py).
         self.transport.complete(ticket)
+        self._count_sized()
         return stall
 
     def drain(self) -> None:
-        """Waits for every issued ticket (errors of unwaited tickets are raised here)."""
+        """Waits for every issued ticket (errors of unwaited tickets are raised here); the
+        host tier is current afterwards, and every ticket's sizes are counted."""
         first: Optional[BaseException] = None
         for ticket in sorted(self._outstanding.values(), key=lambda t: t.seq):
             try:
                 self.wait(ticket)
             except FetchFailedError as e:
                 first = first or e
+        for ticket in list(self._unsized):
+            self.transport.settle(ticket)
+        self._count_sized(block=True)
         if first is not None:
             raise first
+
+    def _count_sized(self, block: bool = False) -> None:
+        """Adds the bytes and rows of done tickets whose sizes have reached the host, in
+        issue order (``block``: reads the rest, waiting for them)."""
+        while self._unsized:
+            ticket = self._unsized[0]
+            if block:
+                ticket.resolve_sizes()
+            elif not ticket.sizes_known():
+                return
+            self._unsized.popleft()
+            self.stats.bytes_moved += ticket.num_bytes
+            self.stats.rows_fetched += ticket.num_rows
 
     @property
     def in_flight(self) -> int:
@@ -351,7 +413,6 @@ class FetchEngine:
             err.__cause__ = e
             ticket._finish(err)
         else:
-            self.stats.bytes_moved += ticket.num_bytes
-            self.stats.rows_fetched += ticket.num_rows
+            self._unsized.append(ticket)  # counted by the planning thread (_count_sized)
             ticket._finish()
         self.stats.busy_s += ticket.completed_at - ticket.started_at  # type: ignore[operator]

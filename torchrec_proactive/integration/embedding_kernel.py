@@ -158,6 +158,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         device: Optional[torch.device] = None,
         sharding_type: Optional[Any] = None,
         pooling_mode: Optional[PoolingMode] = None,
+        host_buffer_on_device: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__(config, pg, device, sharding_type)
         if pooling_mode is not None:
@@ -186,9 +187,18 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._on_device = options.plans_on_device(self._device)
         store_type = DeviceTieredTable if self._on_device else TieredTable
         budgets = [_num_slots(t, options) for t in tables]
+        host_weight = _group_host_tier(config, host_buffer, self._host_views)
+        extra: Dict[str, Any] = {}
+        if self._on_device and host_buffer_on_device is not None:
+            # The GPU addresses the host tier itself (FBGEMM's host-mapped UVM), optimizer
+            # state included: the device planner's moves are kernels the issuing thread
+            # enqueues, with no host read (store/row_moves.py, fetch/cuda.py).
+            extra = _host_mapped_tier(host_weight, host_buffer, host_buffer_on_device,
+                                      self.optimizer_config.state_shapes(int(host_weight.shape[1])))
         self.store = store_type(
             name="+".join(dict.fromkeys(t.name for t in tables)),  # column shards of a table: once
-            host_weight=_group_host_tier(config, host_buffer, self._host_views),
+            host_weight=host_weight,
+            **extra,
             optimizer=self.optimizer_config,
             num_slots=sum(budgets),
             device=self._device,
@@ -266,7 +276,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                      for v in views]
             buffer = host
         kernel = cls(stock.config, views, buffer, options, user_fused_params, engine, pg, device,
-                     pooling_mode=stock._pooling)  # noqa: SLF001 - as TorchRec chose it for this sharding
+                     pooling_mode=stock._pooling,  # noqa: SLF001 - as TorchRec chose it for this sharding
+                     host_buffer_on_device=keep_alive)
         kernel._uvm_owner = keep_alive
         return kernel
 
@@ -633,6 +644,32 @@ def _pinned_copy(uvm: torch.Tensor, tables: List[str]) -> torch.Tensor:
     host = torch.empty(uvm.shape, dtype=uvm.dtype, pin_memory=True)
     host.copy_(uvm)
     return host
+
+
+def _host_mapped_tier(host_weight: torch.Tensor, host_buffer: torch.Tensor, device_buffer: torch.Tensor,
+                      state_shapes: Mapping[str, Tuple[int, ...]]) -> Dict[str, Any]:
+    """The store's host tier as the GPU addresses it: the group's rows within FBGEMM's
+    host-mapped buffer (``device_buffer``, the same bytes as ``host_buffer``), and optimizer
+    state allocated host-mapped too, zeroed (FBGEMM's ``new_host_mapped_tensor``: the size
+    asked for, where pinned tensors from PyTorch's caching host allocator are rounded up to
+    a power of two). Empty where FBGEMM cannot allocate it (the moves then use staging)."""
+    start = host_weight.storage_offset() - host_buffer.storage_offset()
+    weight = device_buffer.view(-1)[start: start + host_weight.numel()].view(host_weight.shape)
+    state: Dict[str, torch.Tensor] = {}
+    on_device = [weight]
+    for key, shape in state_shapes.items():
+        try:
+            mapped = torch.ops.fbgemm.new_host_mapped_tensor(
+                torch.empty(0, dtype=torch.float32, device=device_buffer.device), [int(host_weight.shape[0]), *shape])
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return {}
+        alias = _host_alias(mapped)
+        if alias is None:
+            return {}
+        alias.zero_()
+        state[key] = alias
+        on_device.append(mapped)
+    return {"host_state": state, "host_on_device": on_device}
 
 
 def _host_alias(uvm: torch.Tensor) -> Optional[torch.Tensor]:

@@ -204,7 +204,10 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._fetch_engine = FetchEngine(make_transport(device, self._proactive_options.link))
         super().__init__(*args, **kwargs)
         self.prefetch_depth = 0
-        self.proactive_stats = ProactiveStats()
+        self._stats = ProactiveStats()
+        # Looked-up batches whose plans' sizes are still on the device (device planner on
+        # CUDA: they reach the host without a wait, a step or so later), in lookup order.
+        self._unaccounted: Deque[Tuple[BatchFetch, float, float]] = deque()
         self._consumed: List[BatchFetch] = []
         # Batches prefetched but not planned yet (their rows did not fit), in arrival order,
         # and batches planned by a prefetch whose lookup has not come yet.
@@ -370,7 +373,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             except BaseException:
                 self._release_fetch(fetch)
                 raise
-            self._account(fetch, stall, lookup_started)
+            self._unaccounted.append((fetch, stall, lookup_started))
+            self._account_known()
             for group in fetch.groups:
                 group.kernel.bind(group)
         out = super().compute_and_output_dist(ctx, input)
@@ -399,7 +403,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             except CacheCapacityError as e:  # does not fit yet: wait for pins to be released
                 if not getattr(ctx, "deferred", False):
                     ctx.deferred = True  # type: ignore[attr-defined]
-                    self.proactive_stats.deferred_batches += 1
+                    self._stats.deferred_batches += 1
                     self._warn_deferral_once(getattr(ctx, "batch_index", None), e)
                 return
             self._forget_waiting(ctx)
@@ -471,8 +475,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 group.kernel.unplan(group)
             raise
         finally:
-            self.proactive_stats.plan_s += time.perf_counter() - t0
-            self.proactive_stats.plan_cpu_s += time.thread_time() - cpu0
+            self._stats.plan_s += time.perf_counter() - t0
+            self._stats.plan_cpu_s += time.thread_time() - cpu0
         if ctx is not None:
             ctx.prepared = None  # type: ignore[attr-defined]
         plans = [p for g in groups for p in g.plans]
@@ -501,8 +505,28 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for tb in group.table_batches:
                 tb.table.release(tb.plan)
 
+    @property
+    def proactive_stats(self) -> ProactiveStats:
+        """Cumulative counters of this module's batches (every looked-up batch counted: on
+        CUDA reading them waits for the sizes of the last batches' plans)."""
+        self._account_known(block=True)
+        return self._stats
+
+    def _account_known(self, block: bool = False) -> None:
+        """Counts looked-up batches, in order, whose plans' sizes the host knows (``block``:
+        all of them, waiting for their sizes)."""
+        while self._unaccounted:
+            fetch, stall, lookup_started = self._unaccounted[0]
+            if block:
+                self._fetch_engine.transport.settle(fetch.ticket)
+                fetch.ticket.resolve_sizes()
+            elif not fetch.ticket.sizes_known():
+                return
+            self._unaccounted.popleft()
+            self._account(fetch, stall, lookup_started)
+
     def _account(self, fetch: BatchFetch, stall: float, lookup_started: float) -> None:
-        st = self.proactive_stats
+        st = self._stats
         requested = hits = written_back = 0
         for group in fetch.groups:
             for tb in group.table_batches:

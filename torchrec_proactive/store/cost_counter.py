@@ -15,7 +15,9 @@ What counts:
   uninitialised allocation (``empty``), which only change metadata;
 * *bytes touched*: the bytes an op reads and writes. A gather or scatter (``index_select``,
   ``index_copy_``, ``index_add_``, ``index_fill_``, ``embedding_bag``) touches only the rows
-  it indexes, not its whole operand; any other op touches all of its inputs and outputs;
+  it indexes, not its whole operand, and a row move (``row_moves.move_rows_``, which
+  returns nothing and writes ``dst``) at most one row of each side per entry; any other op
+  touches all of its inputs and outputs;
 * the *largest temporary*: the biggest tensor an op allocates (in-place and view results
   are not allocations).
 
@@ -35,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .plan_graphs import graph_region
+from .row_moves import move_rows_
 
 _aten = torch.ops.aten
 
@@ -44,6 +47,7 @@ _NO_LAUNCH = {
     _aten.alias.default, _aten.lift_fresh.default, _aten._local_scalar_dense.default,
 }
 
+_ROW_MOVE = move_rows_._opoverload
 # Gathers and scatters: (index of the indexed operand, index of the index tensor, dim or None = 0).
 _INDEXED = {
     _aten.index_select.default: (0, 2),
@@ -114,7 +118,8 @@ class CostCounter(TorchDispatchMode):
         cost = self.phases[self._phase]
         cost.ops += 1
         cost.names.append(str(func.__name__ if hasattr(func, "__name__") else func))
-        if func in _NO_LAUNCH or getattr(func, "is_view", False) or not outputs:
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        if func in _NO_LAUNCH or getattr(func, "is_view", False) or not (outputs or writes):
             return out
         region = graph_region()
         if region is None:
@@ -129,7 +134,12 @@ class CostCounter(TorchDispatchMode):
         touched = 0
         indexed = _INDEXED.get(func)
         skip = set()
-        if indexed is not None:
+        if func is _ROW_MOVE:
+            dst, src, guard = args[0], args[2], args[4]
+            touched += guard.numel() * (_nbytes(dst) // max(int(dst.shape[0]), 1)
+                                        + _nbytes(src) // max(int(src.shape[0]), 1))
+            skip.update((id(dst), id(src)))
+        elif indexed is not None:
             operand, index = args[indexed[0]], args[indexed[1]]
             rows = max(int(operand.shape[0]), 1) if operand.dim() else 1
             touched += index.numel() * (_nbytes(operand) // rows)

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,6 +77,7 @@ from .eviction import EvictionPolicy
 from .fixed_shape import SPREAD, compact, padded_unique, spread
 from .optimizers import update_rows
 from .plan_graphs import PAD_ID, PlanGraphs, bucket
+from .row_moves import device_alias, move_rows_
 from .tiered_table import TieredTable
 
 _NEVER = torch.iinfo(torch.int64).max
@@ -103,8 +104,9 @@ class DeviceFetchPlan:
     ``rows[:num_unique]`` are the sorted unique rows, ``inverse`` maps each id to its row,
     ``slots[i]`` is where ``rows[i]`` is read at lookup. ``fill_*`` and ``writeback_*`` are
     compacted: their first ``num_fills`` / ``num_writebacks`` entries are real. The sizes
-    are device tensors; the host reads them only through :meth:`resolve_sizes` (the fetch
-    worker) or on the overflow path."""
+    are device tensors; the host learns them from :meth:`poll_sizes` once a copy queued
+    behind the plan's moves has landed (no wait), from :meth:`resolve_sizes` where waiting
+    is free (a drain, the fetch worker), or on the overflow path."""
 
     table: "DeviceTieredTable"
     n: int
@@ -122,8 +124,10 @@ class DeviceFetchPlan:
     stage: str = "planned"
     preload: bool = False
     num_preloaded: int = 0
-    # Host copies of ``counts``, once someone who may wait has read them.
+    # Host copies of ``counts``, once read (see poll_sizes).
     sizes: Optional[Tuple[int, int, int, int]] = None
+    _sizes_copy: Optional[torch.Tensor] = None  # pinned, filled behind the moves (read_sizes_later)
+    _sizes_event: Any = None
     row_bound: int = field(default=0)  # what the host counts this plan as pinning
     optimizer_step: int = 0  # as the batch's forward advanced it (see TieredTable.count_forward)
 
@@ -150,6 +154,29 @@ class DeviceFetchPlan:
             self.sizes = tuple(int(v) for v in self.counts.tolist())  # type: ignore[assignment]
             self.table._sizes_known(self)  # noqa: SLF001
         return self.sizes  # type: ignore[return-value]
+
+    def read_sizes_later(self) -> None:
+        """Queues a copy of the sizes into pinned host memory on the current stream (the one
+        that ran the plan's moves) and records when it lands; :meth:`poll_sizes` reads it."""
+        if self.sizes is not None or self.counts.device.type != "cuda" or not torch.cuda.is_available():
+            return
+        self._sizes_copy = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
+        self._sizes_copy.copy_(self.counts, non_blocking=True)
+        self._sizes_event = torch.cuda.current_stream(self.counts.device).record_event()
+
+    def poll_sizes(self) -> bool:
+        """Whether the host knows the plan's sizes, reading them where that costs no wait: at
+        once off CUDA, or once the copy of :meth:`read_sizes_later` has landed."""
+        if self.sizes is not None:
+            return True
+        if self.counts.device.type == "cpu":
+            self.resolve_sizes()
+            return True
+        if self._sizes_event is None or not self._sizes_event.query():
+            return False
+        self.sizes = tuple(int(v) for v in self._sizes_copy.tolist())  # type: ignore[union-attr,assignment]
+        self.table._sizes_known(self)  # noqa: SLF001
+        return True
 
     def _size(self, i: int) -> int:
         if self.sizes is None:
@@ -188,7 +215,8 @@ class DeviceTieredTable(TieredTable):
     sentinel row bound to each other; pins never negative, zero when drained.
     """
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, host_on_device: Optional[Sequence[torch.Tensor]] = None,  # type: ignore[no-untyped-def]
+                 **kwargs) -> None:
         if kwargs.get("segment_slots") is not None:
             # Per-table budgets (``TieredTable``'s ``segment_slots``) are not planned on the
             # device yet: its victim window and ``pinned_bound`` cover one slot range.
@@ -209,6 +237,25 @@ class DeviceTieredTable(TieredTable):
         self.bad_ids = AsyncCount(self.device)
         self._host_step: Optional[int] = 0
         self.owner_stream: Optional[object] = None  # see _check_owner
+        # The host tier (weight, then each optimizer state, as ``gather_host`` orders them)
+        # as the cache's device addresses it: the tensors themselves off CUDA; on CUDA,
+        # FBGEMM host-mapped UVM views over the same bytes, given by the owner, or None
+        # (then moves go through pinned staging on the fetch worker, see fetch/cuda.py).
+        hosts = [self.host_weight, *self.host_state.values()]
+        if host_on_device is None and self.device.type != "cuda":
+            host_on_device = hosts
+        elif host_on_device is None:  # pinned host tensors are addressable as they are
+            aliases = [device_alias(t, self.device) for t in hosts]
+            host_on_device = None if any(a is None for a in aliases) else aliases
+        if host_on_device is not None:
+            host_on_device = list(host_on_device)
+            if [tuple(t.shape) for t in host_on_device] != [tuple(t.shape) for t in hosts] or any(
+                    t.device != self.device for t in host_on_device if self.device.type == "cuda"):
+                raise InvalidInputError(
+                    f"table '{self.name}': host_on_device must be the host tier's {len(hosts)} tensors "
+                    f"(weight, then {list(self.host_state)}) as {self.device} addresses them"
+                )
+        self.host_on_device: Optional[List[torch.Tensor]] = host_on_device
 
     def _allocate_cache(self, rows: int) -> None:
         # SPREAD more cache rows (the trash slots), so padded scatters need no mask.
@@ -504,10 +551,33 @@ class DeviceTieredTable(TieredTable):
 
     # ------------------------------------------------------------------ data moves
     @torch.no_grad()
+    def enqueue_moves(self, plan: DeviceFetchPlan) -> None:
+        """The plan's write-backs, then its fills, as ``move_rows_`` ops on the current
+        stream: one per tensor and direction, at the plan's padded length, their padding
+        entries (sentinel rows) doing nothing. Reads nothing on the host, so whoever issues
+        the plan enqueues its moves and goes on (see fetch/cuda.py). Needs
+        ``host_on_device``; a plan planned with overflow goes through :meth:`transfer`."""
+        if self.host_on_device is None:
+            raise StoreStateError(f"table '{self.name}': its host tier is not addressable from {self.device}")
+        caches = [self.cache_weight, *self.cache_state.values()]
+        R = self.num_rows
+        for cache, host in zip(caches, self.host_on_device):
+            move_rows_(_as_rows(host), plan.writeback_rows, _as_rows(cache), plan.writeback_slots,
+                       plan.writeback_rows, R)
+        plan.stage = "written_back"
+        for cache, host in zip(caches, self.host_on_device):
+            move_rows_(_as_rows(cache), plan.fill_slots, _as_rows(host), plan.fill_rows, plan.fill_rows, R)
+        plan.stage = "done"
+
+    @torch.no_grad()
     def transfer(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
         """All of a plan's moves at once, for transports that copy synchronously (CPU):
         write back the dirty victims, then fill the missing rows (and the overflow rows'
-        lookup buffer). Reads the plan's sizes: call it where waiting is free."""
+        lookup buffer). Only a plan with overflow reads its sizes here (the others leave
+        them to ``poll_sizes``, as on the GPU)."""
+        if plan.overflow_rows is None and self.host_on_device is not None:
+            self.enqueue_moves(plan)
+            return
         num_unique, num_fills, num_wb, num_over = plan.resolve_sizes()
         if num_wb:
             self.write_back(plan.writeback_slots.narrow(0, 0, num_wb), plan.writeback_rows.narrow(0, 0, num_wb))
@@ -794,3 +864,8 @@ class DeviceTieredTable(TieredTable):
             problems.append(f"{int(pins.sum())} pins / {self._in_flight} plans left after drain")
         if problems:
             raise StoreStateError(f"table '{self.name}': " + "; ".join(problems))
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A host-tier or cache tensor as ``[rows, width]`` (row-wise optimizer state is 1-D)."""
+    return t.view(t.shape[0], -1)
