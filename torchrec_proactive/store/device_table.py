@@ -20,8 +20,8 @@ forever and never evicted; the cache has ``num_slots + SPREAD`` rows for the sam
 What the host still decides, without reading the device:
 
 * *Does a prefetch surely fit?* ``pinned_bound`` adds up, over the batches in flight, the
-  number of their rows the host knows (a batch's id count until its plan's sizes come back
-  from the fetch worker, then its exact number of unique rows). If that bound plus the new
+  number of their rows the host knows (a batch's id count until its plan's sizes reach the
+  host, then its exact number of unique rows). If that bound plus the new
   batch's id count exceeds the evictable slots, the prefetch waits (``CacheCapacityError``,
   as on the host planner); otherwise every miss is guaranteed a victim.
 * *Overflow* (one batch larger than what the cache can give it) is planned only at a
@@ -39,9 +39,10 @@ but can run out of ways in one set while the cache has room, which here would me
 overflow (a host read) at any step; the window cannot. The host planner (``SlotRanking``)
 samples the same way. Which slot a row gets never changes the math, only the hit rate:
 results stay bit-identical across cache sizes (``tests/test_device_store.py``), and the
-costs per step are the same at 1M and 10M slots (``tests/test_device_cost.py``). Sizes of a plan (unique rows, fills,
-write-backs) reach the host through the fetch worker's read-back (``resolve_sizes``), where
-waiting costs the training thread nothing.
+costs per step are the same at 1M and 10M slots (``tests/test_device_cost.py``). A plan's
+moves need no sizes on the host (``enqueue_moves``, ``row_moves.py``); its sizes (unique
+rows, fills, write-backs) reach the host from a copy queued behind those moves, read when
+it has landed (``DeviceFetchPlan.poll_sizes``), so waiting for them costs nobody.
 
 Launches. The plan proper (``_plan_body``, the kernel's id mapping included) is about 115
 fixed-shape ATen ops; eagerly each would be a kernel launch, ~1 ms of host time per group
