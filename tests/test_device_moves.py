@@ -195,3 +195,19 @@ def test_a_device_ticket_behind_a_busy_worker_waits_its_turn_there():
     assert [seq for seq, _ in transport.ran] == [host.seq, behind.seq]
     assert transport.ran[1][1] == "proactive-fetch"
     engine.close()
+
+
+def test_host_views_on_the_device_are_checked_by_device_type_and_shape():
+    """A table built for ``cuda`` takes views on ``cuda:0`` (what every CUDA tensor reports),
+    and refuses views of the wrong shape or on another kind of device."""
+    with fake_cuda() as guard:
+        with guard.setup():
+            host = torch.zeros(100, 8)
+            on_device = [torch.empty(100, 8, device="cuda:0"), torch.empty(100, device="cuda:0")]
+            table = DeviceTieredTable("t", host, OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD), num_slots=10,
+                                      device=torch.device("cuda"), host_on_device=on_device)
+            assert table.host_on_device == on_device
+            with pytest.raises(Exception, match="host_on_device must be"):
+                DeviceTieredTable("t", torch.zeros(100, 8), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
+                                  num_slots=10, device=torch.device("cuda"),
+                                  host_on_device=[torch.empty(100, 8), torch.empty(100)])

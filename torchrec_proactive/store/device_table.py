@@ -250,8 +250,9 @@ class DeviceTieredTable(TieredTable):
             host_on_device = None if any(a is None for a in aliases) else aliases
         if host_on_device is not None:
             host_on_device = list(host_on_device)
+            # (device types, not devices: the table's ``cuda`` and its tensors' ``cuda:0`` are one)
             if [tuple(t.shape) for t in host_on_device] != [tuple(t.shape) for t in hosts] or any(
-                    t.device != self.device for t in host_on_device if self.device.type == "cuda"):
+                    t.device.type != self.device.type for t in host_on_device):
                 raise InvalidInputError(
                     f"table '{self.name}': host_on_device must be the host tier's {len(hosts)} tensors "
                     f"(weight, then {list(self.host_state)}) as {self.device} addresses them"
