@@ -343,11 +343,15 @@ class FetchEngine:
                 self.wait(ticket)
             except FetchFailedError as e:
                 first = first or e
-        for ticket in list(self._unsized):
-            self.transport.settle(ticket)
         self._count_sized(block=True)
         if first is not None:
             raise first
+
+    def resolve(self, ticket: Ticket) -> None:
+        """Waits until the host knows ``ticket``'s sizes and holds what it wrote back (only
+        where waiting is free: a drain, a statistics read)."""
+        self.transport.settle(ticket)
+        ticket.resolve_sizes()
 
     def _count_sized(self, block: bool = False) -> None:
         """Adds the bytes and rows of done tickets whose sizes have reached the host, in
@@ -355,7 +359,7 @@ class FetchEngine:
         while self._unsized:
             ticket = self._unsized[0]
             if block:
-                ticket.resolve_sizes()
+                self.resolve(ticket)
             elif not ticket.sizes_known():
                 return
             self._unsized.popleft()

@@ -657,10 +657,10 @@ def _host_mapped_tier(host_weight: torch.Tensor, host_buffer: torch.Tensor, devi
     weight = device_buffer.view(-1)[start: start + host_weight.numel()].view(host_weight.shape)
     state: Dict[str, torch.Tensor] = {}
     on_device = [weight]
+    like = torch.empty(0, dtype=torch.float32, device=device_buffer.device)  # (device and dtype of the state)
     for key, shape in state_shapes.items():
         try:
-            mapped = torch.ops.fbgemm.new_host_mapped_tensor(
-                torch.empty(0, dtype=torch.float32, device=device_buffer.device), [int(host_weight.shape[0]), *shape])
+            mapped = torch.ops.fbgemm.new_host_mapped_tensor(like, [int(host_weight.shape[0]), *shape])
         except (AttributeError, RuntimeError, NotImplementedError):
             return {}
         alias = _host_alias(mapped)

@@ -518,8 +518,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         while self._unaccounted:
             fetch, stall, lookup_started = self._unaccounted[0]
             if block:
-                self._fetch_engine.transport.settle(fetch.ticket)
-                fetch.ticket.resolve_sizes()
+                self._fetch_engine.resolve(fetch.ticket)
             elif not fetch.ticket.sizes_known():
                 return
             self._unaccounted.popleft()

@@ -152,9 +152,12 @@ class DeviceFetchPlan:
         """Reads the plan's sizes on the host (blocks until its planning ran on the device:
         call it where waiting is free, e.g. on the fetch worker)."""
         if self.sizes is None:
-            self.sizes = tuple(int(v) for v in self.counts.tolist())  # type: ignore[assignment]
-            self.table._sizes_known(self)  # noqa: SLF001
+            self._take_sizes(self.counts)
         return self.sizes  # type: ignore[return-value]
+
+    def _take_sizes(self, counts: torch.Tensor) -> None:
+        self.sizes = tuple(int(v) for v in counts.tolist())  # type: ignore[assignment]
+        self.table._sizes_known(self)  # noqa: SLF001
 
     def read_sizes_later(self) -> None:
         """Queues a copy of the sizes into pinned host memory on the current stream (the one
@@ -175,8 +178,7 @@ class DeviceFetchPlan:
             return True
         if self._sizes_event is None or not self._sizes_event.query():
             return False
-        self.sizes = tuple(int(v) for v in self._sizes_copy.tolist())  # type: ignore[union-attr,assignment]
-        self.table._sizes_known(self)  # noqa: SLF001
+        self._take_sizes(self._sizes_copy)  # type: ignore[arg-type]
         return True
 
     def _size(self, i: int) -> int:
