@@ -103,28 +103,8 @@ def test_the_first_plan_of_a_shape_is_eager_and_checked_later_ones_replay():
         table.plan_ids(torch.arange(200))
 
 
-def test_fp16_stochastic_rounding_touches_few_bytes_per_value():
-    """FBGEMM's CUDA stochastic rounding of an FP16 update (a hash per value, noise added,
-    rounded toward zero): at 2M rows x 128 its temporaries were 8 bytes per value (int64
-    hashes) and it touched ~460 bytes per value; the hash now runs in int32 over the values
-    and as vectors per row and per column."""
-    from torchrec_proactive.store.optimizers import round_rows
-
-    n, dim = 4096, 128
-    counter = CostCounter()
-    with fake_cuda():
-        values = torch.empty(n, dim, device="cuda")
-        rows = torch.empty(n, dtype=torch.int64, device="cuda")
-        with counter, counter.phase("round"):
-            out = round_rows(values, torch.float16, rows, seed=0, step=3)
-    assert out.dtype == torch.float16 and out.shape == (n, dim)
-    cost = counter.phases["round"]
-    assert cost.largest_temporary <= 4 * n * dim, cost.largest_temporary / (n * dim)
-    assert cost.bytes <= 250 * n * dim, cost.bytes / (n * dim)
-
-
 def test_the_int32_hash_gives_the_int64_hashs_bits():
-    from torchrec_proactive.store.optimizers import _mix32, round_rows, rounding_bits, stochastic_round_fp16
+    from torchrec_proactive.store.stochastic_rounding import _mix32, round_rows, rounding_bits, stochastic_round_fp16
 
     g = torch.Generator().manual_seed(0)
     rows = torch.cat([torch.randint(0, 2**40, (500,), generator=g), torch.arange(50)])

@@ -36,6 +36,12 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from .stochastic_rounding import (  # noqa: F401 - the rounding rule's public names, here as before
+    round_rows,
+    rounding_bits,
+    stochastic_round_fp16,
+)
+
 
 class OptimType(str, enum.Enum):
     """Names match ``fbgemm_gpu.split_embedding_configs.EmbOptimType`` values."""
@@ -230,108 +236,6 @@ def _row_change(
     if cfg.decay_rule == "adam":
         update = update + cfg.weight_decay * weight
     return None, neg_lr * update
-
-
-# ---------------------------------------------------------------------- rounding
-_FP16_MAX_EXPONENT_BITS = -8388608  # 0xff800000 as an int32: the sign and exponent of an FP32
-
-
-def stochastic_round_fp16(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
-    """FP32 -> FP16 by FBGEMM's CUDA stochastic rounding (``stochastic_rounding_scalar``): the
-    top 13 of 32 random bits become noise below the FP16 precision at ``x``'s exponent, added
-    to ``x`` with its sign, and the sum is rounded toward zero. So ``x`` rounds away from zero
-    with a probability equal to its distance from the FP16 value below it (as FBGEMM, exact
-    for ``x`` in FP16's normal range). ``random_bits``: int64 in ``[0, 2**32)``, ``x``'s shape.
-    """
-    bits = x.contiguous().view(torch.int32)
-    sign_exponent = bits & _FP16_MAX_EXPONENT_BITS
-    if random_bits.dtype == torch.int32:  # (the same 32 bits, two's complement: shift logically)
-        noise = (random_bits >> 19) & 0x1FFF
-    else:
-        noise = (random_bits >> 19).to(torch.int32)
-    noisy = (sign_exponent | noise).view(torch.float32)
-    return _fp16_toward_zero(x + (noisy - sign_exponent.view(torch.float32)))
-
-
-def _fp16_toward_zero(y: torch.Tensor) -> torch.Tensor:
-    """``__float2half_rz``: the FP16 value nearest to ``y`` that is not further from zero."""
-    nearest = y.to(torch.float16)
-    overshoot = nearest.float().abs() > y.abs()
-    # One FP16 step toward zero: the magnitude bits minus one (sign-magnitude order), which
-    # also turns an overflow to infinity into the largest finite value, as rz does.
-    return torch.where(overshoot, (nearest.view(torch.int16) - 1).view(torch.float16), nearest)
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``0 <= x < 2**32`` in int64 with no intermediate overflow."""
-    return (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' "lowbias32"); ``x`` in ``[0, 2**32)``, int64."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def rounding_bits(seed: int, step: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[len(rows), dim]`` random 32-bit values (int64), a pure function of
-    ``(seed, step, row, column)``: reproducible, and the same whichever slot holds a row."""
-    return rounding_bits32(seed, step, rows, dim).to(torch.int64) & _M32
-
-
-def rounding_bits32(seed: int, step: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
-    """:func:`rounding_bits` as int32 (the same 32 bits, two's complement). The per-row and
-    per-column hashes are vectors; only the last mix runs over ``[len(rows), dim]``, in
-    int32 (its multiplications wrap modulo 2**32 as the hash needs): 12 elementwise ops on
-    4-byte values, where the int64 form needs 19 on 8-byte ones (issue 30, item 6)."""
-    # The key is a host scalar: nothing here waits for the device.
-    key = int(_mix32(_mix32(torch.tensor(step & _M32)) ^ (seed & _M32)))
-    rows = rows.to(torch.int64)
-    per_row = _mix32(_mix32((rows & _M32) ^ key) ^ ((rows >> 32) & _M32))
-    columns = _mix32(torch.arange(dim, dtype=torch.int64, device=rows.device) * 0x9E3779B9 & _M32)
-    return _mix32_int32(_to_int32(per_row).unsqueeze(1) ^ _to_int32(columns))
-
-
-def _to_int32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in ``[0, 2**32)`` (int64) as the int32 with the same bits."""
-    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
-
-
-_MIX_1 = 0x7FEB352D
-_MIX_2 = 0x846CA68B - 2**32  # (as a signed 32-bit constant)
-
-
-def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
-    """:func:`_mix32` on int32 bit patterns: logical shifts are arithmetic shifts masked."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _MIX_1
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _MIX_2
-    return x ^ ((x >> 16) & 0xFFFF)
-
-
-def round_rows(
-    values: torch.Tensor,
-    dtype: torch.dtype,
-    stochastic_rows: Optional[torch.Tensor] = None,
-    seed: int = 0,
-    step: int = 0,
-) -> torch.Tensor:
-    """FP32 rows rounded once into the table's ``dtype``: stochastically for FP16 when
-    ``stochastic_rows`` (the rows' ids, keying the noise) is given - FBGEMM's CUDA rule -,
-    else to nearest (FBGEMM's CPU kernel, and every dtype FBGEMM does not round
-    stochastically, BF16 included)."""
-    if dtype == values.dtype:
-        return values
-    if dtype == torch.float16 and stochastic_rows is not None:
-        return stochastic_round_fp16(values, rounding_bits32(seed, step, stochastic_rows, values.shape[1]))
-    return values.to(dtype)
 
 
 @torch.no_grad()
