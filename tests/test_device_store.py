@@ -4,6 +4,8 @@ proven on this CPU-only machine by running the training-thread path on fake CUDA
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ from torchrec_proactive.store import (
     pooled_lookup_group,
 )
 from torchrec_proactive.store import lookup as lookup_module
-from torchrec_proactive.store.fixed_shape import compact, padded_unique, segment_sum
+from torchrec_proactive.store.fixed_shape import compact, padded_unique, segment_cuts, segment_sum, sum_segments
 from torchrec_proactive.store.sync_detector import HostSyncError, fake_cuda
 
 
@@ -67,12 +69,14 @@ def _batches(steps=10, bags=64, per_bag=3, seed=0):
     return out
 
 
-def _train(table_cls, slots, depth, optim, batches):
+def _train(table_cls, slots, depth, optim, batches, cuts=False):
     torch.manual_seed(0)
     init = torch.randn(ROWS, DIM)
     cfg = OptimizerConfig(optim, learning_rate=0.05)
     segments = [Segment("a", 0, 1000), Segment("b", 1000, ROWS - 1000)]
     table = table_cls("a+b", init.clone(), cfg, num_slots=slots, segments=segments)
+    if cuts:
+        table.plans_grad_cuts = True  # (the GPU's gradient sums, on the CPU)
     engine = FetchEngine()
     anchor = torch.empty(0, requires_grad=True)
     outs = []
@@ -112,6 +116,46 @@ def test_device_planner_is_bit_identical_to_the_host_planner_for_any_cache_and_d
                 assert table.stats.rows_written_back > 0
 
 
+def test_gradients_summed_by_planned_cuts_are_bit_identical_for_any_cache_and_depth():
+    """What a GPU runs - row gradients summed in pieces cut by the plan, at the bucket's
+    piece length - forced on the CPU: every cache size (the overflow path, planned eagerly
+    at the batch's own length, included) and depth gives the same bits, and the sums are
+    ``index_add_``'s up to rounding. (250 ids a batch: padded to a bucket of 256, whose
+    pieces are longer than the batch's own would be.)"""
+    batches = _batches(bags=50, per_bag=5)
+    ref_outs, ref = _train(TieredTable, ROWS, 0, OptimType.EXACT_ROWWISE_ADAGRAD, batches)
+    first = None
+    for slots in (30, 400, ROWS):
+        for depth in (0, 2):
+            outs, table = _train(DeviceTieredTable, slots, depth, OptimType.EXACT_ROWWISE_ADAGRAD, batches, cuts=True)
+            assert (table.stats.overflow_rows > 0) == (slots == 30)
+            if first is None:
+                first = outs, table
+                assert not torch.equal(table.host_weight, ref.host_weight)  # (other sums: the cuts ran)
+                assert torch.allclose(table.host_weight, ref.host_weight, rtol=1e-4, atol=1e-5)
+                continue
+            assert all(torch.equal(a, b) for a, b in zip(outs, first[0])), (slots, depth)
+            assert torch.equal(table.host_weight, first[1].host_weight), (slots, depth)
+            for k, v in first[1].host_state.items():
+                assert torch.equal(table.host_state[k], v), (slots, depth, k)
+
+
+def test_cuts_planned_at_a_buckets_length_sum_a_batch_as_at_its_own():
+    g = torch.Generator().manual_seed(2)
+    n, padded, segments = 100, 112, 130
+    index = torch.cat([torch.zeros(40, dtype=torch.int64), torch.randint(0, 60, (60,), generator=g)])
+    index = index[torch.randperm(n, generator=g)]
+    src = torch.randn(n, 5, generator=g)
+    piece = math.isqrt(padded)
+    own = sum_segments(segment_cuts(index, segments, piece=piece), src)
+    tail = torch.randint(0, segments, (padded - n,), generator=g)  # (whatever the padding maps to)
+    skip = torch.arange(padded) >= n
+    bucketed = sum_segments(segment_cuts(torch.cat([index, tail]), segments, skip=skip, piece=piece), src)
+    assert torch.equal(own, bucketed)
+    expected = torch.zeros(segments, 5).index_add_(0, index, src)
+    assert torch.allclose(own, expected, atol=1e-5)
+
+
 def test_a_prefetch_that_may_not_fit_waits_and_says_why():
     table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100)
     first = plan_device_batch(table, torch.arange(60), torch.arange(61))
@@ -133,8 +177,10 @@ def test_a_non_finite_gradient_skips_the_group_update_and_is_reported_later():
     before = table.cache_weight.clone(), {k: v.clone() for k, v in table.cache_state.items()}
     out = pooled_lookup_group([tb], torch.empty(0, requires_grad=True))[0]
     out.backward(torch.full_like(out, float("nan")))  # no exception on the training thread ...
-    assert torch.equal(table.cache_weight, before[0])
-    assert all(torch.equal(table.cache_state[k], v) for k, v in before[1].items())
+    # No slot changed (the skipped update went to the trash slots past them: scratch rows).
+    real = slice(0, table.num_slots)
+    assert torch.equal(table.cache_weight[real], before[0][real])
+    assert all(torch.equal(table.cache_state[k][real], v[real]) for k, v in before[1].items())
     assert table.poll_skipped() == 1 and table.poll_skipped() == 0  # ... reported once, later
     table.check_invariants(expect_drained=True)
 
@@ -415,9 +461,9 @@ def test_overflow_rows_are_updated_on_the_tables_device_not_in_the_host_tier(mon
     updated = []
     real = device_table.update_rows
 
-    def recording(cfg, weight, state, index, grad, step, stochastic_rows=None):
+    def recording(cfg, weight, state, index, grad, step, stochastic_rows=None, **kwargs):
         updated.append(weight)
-        return real(cfg, weight, state, index, grad, step, stochastic_rows)
+        return real(cfg, weight, state, index, grad, step, stochastic_rows, **kwargs)
 
     monkeypatch.setattr(device_table, "update_rows", recording)
     table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(OptimType.ADAM), num_slots=30)

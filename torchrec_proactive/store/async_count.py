@@ -41,7 +41,7 @@ class AsyncCount:
         self._evented = self.device.type == "cuda" and torch.cuda.is_available()
 
     def add(self, amount: torch.Tensor) -> None:
-        self.value.add_(amount.to(torch.int64))
+        self.value.add_(amount)  # (a bool or integer amount: added as int64, no cast of its own)
 
     def poll(self) -> int:
         """How much the count grew since the last poll, as far as the host can tell now."""

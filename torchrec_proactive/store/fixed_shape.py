@@ -14,7 +14,7 @@ op raises (``tests/test_device_store.py``).
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -83,9 +83,22 @@ def compact(mask: torch.Tensor, fill: int, *values: torch.Tensor,
     return (*out, mask.sum())
 
 
+class SegmentCuts(NamedTuple):
+    """Where :func:`sum_segments` cuts a sorted gradient: a function of the ids alone, so a
+    device plan computes it with the ids, inside its graph, and the backward sorts nothing.
+
+    ``order``: the entries in segment order (entries left out point at entry 0, in pieces no
+    segment reads); ``bounds``: the pieces' start positions in ``order`` (``n + 1``, padding
+    pieces empty); ``segment_bounds``: each segment's first piece (``num_segments + 1``)."""
+
+    order: torch.Tensor
+    bounds: torch.Tensor
+    segment_bounds: torch.Tensor
+
+
 def segment_sum(index: torch.Tensor, src: torch.Tensor, num_segments: int) -> torch.Tensor:
     """``zeros(num_segments, d).index_add_(0, index, src)`` in a deterministic order, with no
-    long serial chain of additions.
+    long serial chain of additions: :func:`sum_segments` of :func:`segment_cuts`.
 
     ``index_add_`` adds duplicates with atomics on CUDA, so the order of the additions, and
     the rounding, changes from run to run. Here the entries are sorted by segment (a stable
@@ -104,13 +117,27 @@ def segment_sum(index: torch.Tensor, src: torch.Tensor, num_segments: int) -> to
     serial sum in the last bits: the device planner uses it on GPUs only, where no serial
     order is kept anyway.
     """
+    return sum_segments(segment_cuts(index, num_segments), src)
+
+
+def segment_cuts(index: torch.Tensor, num_segments: int, skip: Optional[torch.Tensor] = None,
+                 piece: Optional[int] = None) -> SegmentCuts:
+    """The cuts of :func:`segment_sum` for ``index`` (entries in ``[0, num_segments)``).
+
+    ``skip``: entries to leave out (a plan's padding, whose gradient rows do not exist);
+    they sort after every segment and no segment reads them. ``piece`` (default
+    ``isqrt(n)``): the piece length. With the same ``piece``, the entries that are not
+    skipped get the same cuts whether or not skipped ones follow them: a batch planned at
+    its own length and the same batch padded to a bucket sum alike."""
     n = index.shape[0]
     device = index.device
-    order = torch.argsort(index, stable=True)
+    key = index if skip is None else torch.where(skip, num_segments, index)
+    order = torch.argsort(key, stable=True)
     if n == 0:
-        return torch.zeros(num_segments, *src.shape[1:], dtype=src.dtype, device=device)
-    piece = max(1, math.isqrt(n))
-    ordered = index.index_select(0, order)
+        empty = torch.zeros(1, dtype=torch.int64, device=device)
+        return SegmentCuts(order, empty, torch.zeros(num_segments + 1, dtype=torch.int64, device=device))
+    piece = max(1, math.isqrt(n) if piece is None else piece)
+    ordered = key.index_select(0, order)
     # Level 1: a piece starts at position 0, at every multiple of ``piece`` and at every
     # new segment; its start positions are compacted to the front (padding: n, an empty bag).
     position = torch.arange(n, device=device)
@@ -119,9 +146,23 @@ def segment_sum(index: torch.Tensor, src: torch.Tensor, num_segments: int) -> to
         starts.narrow(0, 1, n - 1).logical_or_(ordered.narrow(0, 1, n - 1) != ordered.narrow(0, 0, n - 1))
     piece_start, piece_segment, _ = compact(starts, n, position, ordered)
     bounds = torch.cat([piece_start, piece_start.new_full((1,), n)])
-    partial = F.embedding_bag(order, src, bounds, mode="sum", include_last_offset=True)
-    # Level 2: pieces are in segment order; the padding pieces (empty) are given segment
-    # ``num_segments``, past every real one, so they fall after the last bound.
+    # Level 2: pieces are in segment order; the padding pieces (empty) and the skipped
+    # entries' pieces belong to segment ``num_segments``, past every real one, so they fall
+    # after the last bound.
     piece_segment = torch.where(piece_start < n, piece_segment, num_segments)
-    seg_bounds = torch.searchsorted(piece_segment, torch.arange(num_segments + 1, device=device, dtype=index.dtype))
-    return F.embedding_bag(torch.arange(n, device=device), partial, seg_bounds, mode="sum", include_last_offset=True)
+    segment_bounds = torch.searchsorted(piece_segment, torch.arange(num_segments + 1, device=device,
+                                                                    dtype=piece_segment.dtype))
+    if skip is not None:
+        order = torch.where(ordered == num_segments, 0, order)  # (read by no segment's sum)
+    return SegmentCuts(order, bounds, segment_bounds)
+
+
+def sum_segments(cuts: SegmentCuts, src: torch.Tensor) -> torch.Tensor:
+    """Per segment, the sum of its entries' rows of ``src`` (``[entries, d]``), cut as
+    ``cuts`` says: two ``embedding_bag`` sums and no sort."""
+    num_segments = int(cuts.segment_bounds.shape[0]) - 1
+    if src.shape[0] == 0:
+        return torch.zeros(num_segments, *src.shape[1:], dtype=src.dtype, device=src.device)
+    partial = F.embedding_bag(cuts.order, src, cuts.bounds, mode="sum", include_last_offset=True)
+    return F.embedding_bag(torch.arange(partial.shape[0], device=src.device), partial, cuts.segment_bounds,
+                           mode="sum", include_last_offset=True)

@@ -266,8 +266,13 @@ def update_rows(
     grad: torch.Tensor,
     step: int,
     stochastic_rows: Optional[torch.Tensor] = None,
+    target: Optional[torch.Tensor] = None,
 ) -> None:
     """Updates rows ``index`` (unique) of the tables ``weight``/``state`` in place with ``grad``.
+
+    ``target`` (default ``index``): where the new rows are written. A caller that must drop
+    an update without reading a flag on the host points it at scratch rows (the device
+    table's trash slots) instead of copying and selecting every row it touches.
 
     The update is computed in FP32 and each new row rounded once into ``weight``'s dtype
     (see :func:`round_rows`; ``stochastic_rows``: the ids of the updated rows, to round FP16
@@ -279,7 +284,9 @@ def update_rows(
     reads_weight = cfg.decay_rule != "none"
     if weight.dtype == torch.float32 and not reads_weight and not cfg.renorms:
         _, change = _row_change(cfg, g, gathered, step, None)
-        weight.index_add_(0, index, change)
+        # (where ``target`` differs from ``index`` it points at scratch rows: adding the
+        # change there instead is as good as writing the new rows there)
+        weight.index_add_(0, index if target is None else target, change)
     else:
         rows = weight.index_select(0, index).float()
         scale, change = _row_change(cfg, g, gathered, step, rows if reads_weight else None)
@@ -287,9 +294,9 @@ def update_rows(
         stored = round_rows(new, weight.dtype, stochastic_rows, cfg.rounding_seed, step)
         if cfg.renorms:
             stored = _renorm(cfg, stored, weight.dtype, stochastic_rows, step)
-        weight.index_copy_(0, index, stored)
+        weight.index_copy_(0, index if target is None else target, stored)
     for k, v in gathered.items():
-        state[k].index_copy_(0, index, v)
+        state[k].index_copy_(0, index if target is None else target, v)
 
 
 def _renorm(cfg: OptimizerConfig, stored: torch.Tensor, dtype: torch.dtype,
