@@ -25,8 +25,9 @@ staging) the way the TorchRec kernel does, and reports what a GPU user cares abo
 7. ``plan_ms_per_step_by_ids``: device planning time per step at 25k, 250k and 2M ids per
    rank (Zipf ids) on a warm cache big enough not to overflow (CUDA: 50M slots), from CUDA
    events;
-8. ``plan_launches_per_group_step`` and ``plan_ops_identical_across_cache_sizes``: kernel
-   launches of one group's plan, and whether planning, lookup and update issue the same ops
+8. ``plan_launches_per_group_step``, ``update_launches_per_group_step`` and
+   ``plan_ops_identical_across_cache_sizes``: kernel launches of one group's plan and of its
+   backward with the fused update (row-wise Adagrad), and whether planning, lookup and update issue the same ops
    touching the same bytes at 1M and 10M slots (a counting dispatch mode over fake CUDA
    tensors: the same on any machine);
 9. ``per_table_bounds_ok``: an id past its own table (inside the group's row space) is
@@ -366,12 +367,14 @@ def plan_costs(device: torch.device, quick: bool) -> Dict[str, Any]:
                         tb = plan_device_batch(table, ids, offsets)
                     with counter.phase("lookup"):
                         out = lookup_module.pool_group([tb], [None])[0]
+                    grad_out = torch.ones_like(out)  # (autograd's, before the backward runs)
                     with counter.phase("update"):
-                        lookup_module.update_group([tb], [None], [torch.ones_like(out)], [])
+                        lookup_module.update_group([tb], [None], [grad_out], [])
         runs[slots] = counter.phases
     small, large = runs[1_000_000], runs[10_000_000]
     return {
         "plan_launches_per_group_step": small["plan"].launches,
+        "update_launches_per_group_step": small["update"].launches,
         "plan_ops_identical_across_cache_sizes": all(small[k].key() == large[k].key() for k in small),
         "per_phase": {k: {"ops": v.ops, "launches": v.launches, "bytes": v.bytes,
                           "largest_temporary_bytes": v.largest_temporary} for k, v in small.items()},
@@ -465,6 +468,7 @@ def main() -> int:
         "plan_ms_per_step_by_ids": res["planning"]["plan_ms_per_step_by_ids"],
         "host_steps_ahead_of_gpu": res["host_lead"]["host_steps_ahead_of_gpu"],
         "plan_launches_per_group_step": res["plan_costs"]["plan_launches_per_group_step"],
+        "update_launches_per_group_step": res["plan_costs"]["update_launches_per_group_step"],
         "plan_ops_identical_across_cache_sizes": res["plan_costs"]["plan_ops_identical_across_cache_sizes"],
         "per_table_bounds_ok": res["bounds"]["per_table_bounds_ok"],
         "elapsed_s": time.perf_counter() - t_start,
@@ -486,6 +490,7 @@ def main() -> int:
     print(f"| host steps ahead of a 200 ms GPU sleep (depth {res['host_lead']['depth']}) | "
           f"{'needs a GPU' if lead is None else lead} |")
     print(f"| planning launches per group per step (FBGEMM: ~10) | {summary['plan_launches_per_group_step']} |")
+    print(f"| backward + fused update launches per group per step | {summary['update_launches_per_group_step']} |")
     print(f"| planning ops and bytes the same at 1M and 10M slots | {summary['plan_ops_identical_across_cache_sizes']} |")
     print(f"| id past its own table counted on the device | {summary['per_table_bounds_ok']} |")
     print(f"| wall time | {summary['elapsed_s']:.0f} s |")

@@ -29,12 +29,13 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert res["host_syncs_per_step"] == 0 and "sync_detector" in res["syncs"]["how"]
     assert sorted(res["plan_ms_per_step_by_ids"]) == ["25000", "250000"]
     # Counters a CPU can fill (fake CUDA tensors), and the GPU-only one left null.
-    for key in ("host_steps_ahead_of_gpu", "plan_launches_per_group_step", "plan_ops_identical_across_cache_sizes",
-                "per_table_bounds_ok"):
+    for key in ("host_steps_ahead_of_gpu", "plan_launches_per_group_step", "update_launches_per_group_step",
+                "plan_ops_identical_across_cache_sizes", "per_table_bounds_ok"):
         assert key in res, key
     assert res["host_steps_ahead_of_gpu"] is None
     assert res["plan_ops_identical_across_cache_sizes"] is True
     assert isinstance(res["plan_launches_per_group_step"], int) and res["plan_launches_per_group_step"] > 0
+    assert 0 < res["update_launches_per_group_step"] <= 30  # (tests/test_device_cost.py's bound)
     assert res["per_table_bounds_ok"] is True and res["bounds"]["bad_ids_counted"] == 1
     assert res["plan_costs"]["per_phase"]["plan"]["bytes"] > 0
     # Without a GPU there is no host-to-device copy: no bandwidth figure, in the table or the JSON.
