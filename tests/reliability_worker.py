@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -156,14 +157,16 @@ def mismatched_depths(rank: int, world_size: int) -> Dict[str, Any]:
     return {}
 
 
-def dies_mid_training(rank: int, world_size: int, victim: int = 1) -> Dict[str, Any]:
+def dies_mid_training(rank: int, world_size: int, victim: int = 1, sigkill: bool = False) -> Dict[str, Any]:
     tables = make_tables(2, rows=200, dim=8)
     dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), cache_load_factor=1.0)
     pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
     it = iter([make_batch(tables, 8, seed=rank * 100 + i) for i in range(50)])
     for step in range(50):
         if rank == victim and step == 5:
-            os._exit(3)  # the rank vanishes mid-training, as kill -9 would
+            if sigkill:  # as the out-of-memory killer would
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3)  # the rank vanishes mid-training
         pipe.progress(it)
     return {}
 

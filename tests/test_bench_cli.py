@@ -277,6 +277,45 @@ def test_noise_verdicts_flag_an_upper_bound_violation_and_overlaps():
     assert v["fraction_of_resident"]["interval"] == pytest.approx([140 / 101, 160 / 99])
 
 
+def test_ratios_are_judged_on_per_round_ratios_when_there_are_enough_rounds():
+    """Machine drift moves every configuration of a round together: ratios of the same
+    round cancel it, the quotient of two separate intervals counts it twice."""
+    from torchrec_proactive.bench.noise import MIN_PAIRED_ROUNDS, noise_verdicts
+
+    drift = [1.0, 0.8, 1.2, 0.9, 1.1, 0.7, 1.3, 1.0, 0.85, 1.15, 0.95, 1.05]  # the machine, round by round
+
+    def cfg(name, rate, jitter=0.0, depth=None, phase=0):
+        rounds = [rate * d * (1 + jitter * (-1) ** (i + phase)) for i, d in enumerate(drift)]
+        return {"name": name, "samples_per_s": rate, "prefetch_depth": depth, "samples_per_s_rounds": rounds,
+                "samples_per_s_interval": [min(rounds), max(rounds)]}
+
+    resident, reactive = cfg("resident", 100.0), cfg("reactive", 50.0)
+    best = cfg("depth_2", 90.0, jitter=0.01, depth=2)
+    v = noise_verdicts(reactive, resident, best, [best, cfg("depth_1", 89.0, jitter=0.01, depth=1, phase=1)])
+    frac = v["fraction_of_resident"]
+    # Separate intervals ([70-130] and [63-117]) overlap: 0.90 could not be told from 1.0 ...
+    assert frac["paired_rounds"] == 12 and len(drift) >= MIN_PAIRED_ROUNDS
+    # ... the paired per-round ratios (0.89-0.91) can.
+    assert not frac["within_noise"] and 0.88 < frac["interval"][0] < 0.9 < frac["interval"][1] < 0.92
+    assert frac["verdict"] == "below all-resident beyond noise"
+    assert v["depths_within_noise_of_best"] == [1]  # 89 vs 90, each with its own 1% jitter a round: a tie
+    assert "per-round log-ratios" in v["method"]
+    # Too few rounds for a t-interval of the per-round ratios: the quotient of the rates' intervals.
+    few = {k: (val[:MIN_PAIRED_ROUNDS - 1] if k == "samples_per_s_rounds" else val) for k, val in best.items()}
+    res_few = {k: (val[:MIN_PAIRED_ROUNDS - 1] if k == "samples_per_s_rounds" else val) for k, val in resident.items()}
+    assert noise_verdicts(reactive, res_few, few, [few])["fraction_of_resident"]["paired_rounds"] == 0
+
+
+def test_a_default_bench_runs_enough_rounds_to_pair_them():
+    from torchrec_proactive.bench.noise import MIN_PAIRED_ROUNDS
+    from torchrec_proactive.bench.rank import BenchSettings
+    from torchrec_proactive.bench.runner import _settings, build_parser
+
+    settings = _settings(build_parser().parse_args([]))
+    assert settings.rounds >= 2 * MIN_PAIRED_ROUNDS and settings.rounds * settings.measure_steps >= 384
+    assert BenchSettings().rounds == settings.rounds
+
+
 # ------------------------------------------------------------------------------------------
 # bandwidth sweep
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -96,11 +95,11 @@ def test_bad_id_is_refused_before_it_is_sent_and_training_continues(sharding, va
 
 
 @pytest.mark.multiprocess
-def test_bad_id_on_one_rank_fails_the_job_fast():
-    t0 = time.monotonic()
+def test_bad_id_on_one_rank_fails_the_job_naming_that_rank():
+    # The launcher stops at the first rank that reports an error (the other one, waiting in a
+    # collective, is not waited for: that would end in "did not finish", which fails the match).
     with pytest.raises(RankFailure, match=r"rank 0 failed:[\s\S]*feature 'f1' \(table 't1'\): id 999"):
         run_ranks(rw.bad_ids, world_size=2, timeout_s=120, sharding="row_wise", value=999, only_rank=0)
-    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.multiprocess
@@ -141,11 +140,13 @@ def test_ranks_with_different_depths_fail_clearly_instead_of_hanging():
 
 
 @pytest.mark.multiprocess
-def test_a_rank_killed_mid_training_fails_the_job_fast():
-    t0 = time.monotonic()
-    with pytest.raises(RankFailure, match="rank 1 died with exit code 3"):
-        run_ranks(rw.dies_mid_training, world_size=2, timeout_s=120, pg_timeout_s=30)
-    assert time.monotonic() - t0 < 60
+@pytest.mark.parametrize("sigkill, cause", [(False, "died with exit code 3"),
+                                            (True, r"was killed \(SIGKILL: most often the out-of-memory killer")])
+def test_a_rank_killed_mid_training_fails_the_job_with_its_cause(sigkill, cause):
+    # Found by the death watcher, not by the launch timeout (that one says "did not finish"):
+    # the job fails as soon as the rank is gone, naming it and how it ended.
+    with pytest.raises(RankFailure, match=f"rank 1 {cause}"):
+        run_ranks(rw.dies_mid_training, world_size=2, timeout_s=120, pg_timeout_s=30, sigkill=sigkill)
 
 
 @pytest.mark.multiprocess

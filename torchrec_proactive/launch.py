@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -74,6 +75,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs
                 pass
 
 
+def _death(exitcode: int) -> str:
+    """How a rank process ended, in words: a negative exit code is the signal that killed it."""
+    if exitcode == -signal.SIGKILL:
+        # Nothing in this project sends SIGKILL; the kernel's OOM killer does.
+        return "was killed (SIGKILL: most often the out-of-memory killer; see `dmesg`)"
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"died with exit code {exitcode}"
+
+
 def _root_cause(procs: List[Any], rank: int, payload: str, reported: set, grace_s: float = 2.0) -> str:
     """A rank's error, preceded by any rank that died without reporting (usually the cause:
     its peers then fail inside a collective with "connection closed")."""
@@ -82,7 +93,7 @@ def _root_cause(procs: List[Any], rank: int, payload: str, reported: set, grace_
         dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
         if dead:
             r = dead[0]
-            return (f"rank {r} died with exit code {procs[r].exitcode} before reporting a result; "
+            return (f"rank {r} {_death(procs[r].exitcode)} before reporting a result; "
                     f"then rank {rank} failed:\n{payload}")
         if all(p.exitcode is not None for r, p in enumerate(procs) if r not in reported):
             break
@@ -135,7 +146,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 60
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                 if dead:
                     r = dead[0]
-                    raise RankFailure(f"rank {r} died with exit code {procs[r].exitcode} before reporting a result")
+                    raise RankFailure(f"rank {r} {_death(procs[r].exitcode)} before reporting a result")
                 if time.monotonic() > deadline:
                     raise RankFailure(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s:.0f} s")
                 continue

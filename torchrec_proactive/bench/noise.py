@@ -1,8 +1,24 @@
-"""Is a measured difference real? Intervals of the rates, verdicts on the ratios, sweep checks.
+"""Noise estimates for the bench: every rate and every ratio with a 95% interval.
 
-Each configuration's rate comes with an interval: the range of its per-round rates, widened
-to the distribution-free 95% confidence interval of the median step over every measured step.
-Two rates whose intervals overlap are "within noise" of each other. Stdlib only.
+A step's time on a shared machine is its work plus interference (the other rank, the fetch
+workers, the link emulation, the OS), which only ever adds: on a 2-core machine single steps
+of a 15 ms configuration range from 9 to 25 ms. Each configuration therefore runs in many
+short rounds (every round runs every configuration once, back to back, in rotated order) and
+each round is summarised by its *interquartile mean* step: the mean of the middle half of
+its steps, which uses half of them (a median uses one) and drops the interference spikes.
+
+With at least ``MIN_PAIRED_ROUNDS`` rounds:
+
+* a rate's interval is the 95% t-interval of the mean of its per-round log-rates;
+* a ratio of two configurations is judged on the rounds *paired*: the 95% t-interval of the
+  mean of the per-round log-ratios. Drift over the run (another job, thermal state, the page
+  cache) moves both rates of a round together and cancels in their ratio, where a quotient
+  of two separate intervals counts it twice. "Within noise" means the interval holds 1.
+
+Every interval is widened to include the reported figure (the median over every step). With
+fewer rounds (``--quick``, tests) a rate's interval is the range of its per-round rates,
+widened to the distribution-free 95% confidence interval of the median step, and two rates
+are within noise when their intervals overlap. Stdlib only.
 """
 
 from __future__ import annotations
@@ -11,9 +27,36 @@ import math
 import statistics
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["add_noise", "overlap", "noise_verdicts", "sweep_warnings"]
+__all__ = ["add_noise", "overlap", "within_noise", "paired_rounds", "noise_verdicts", "sweep_warnings",
+           "MIN_PAIRED_ROUNDS"]
 
 _Z95 = 1.959964
+#: Rounds from which intervals come from the per-round figures (a t-interval needs a few
+#: degrees of freedom before its width means anything: t(0.975, 5) = 2.57).
+MIN_PAIRED_ROUNDS = 6
+
+
+def _t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (Cornish-Fisher
+    expansion around the normal's; within 0.2% of the exact value from df = 5 on)."""
+    z = _Z95
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+
+
+def _log_t_interval(values: Sequence[float]) -> Tuple[float, float]:
+    """95% t-interval of the geometric mean of positive ``values`` (len >= 2)."""
+    logs = [math.log(v) for v in values]
+    half = _t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+def _interquartile_mean(values: Sequence[float]) -> float:
+    """Mean of the middle half of ``values`` (all of them when there are fewer than 4)."""
+    x = sorted(values)
+    k = len(x) // 4
+    return statistics.fmean(x[k:len(x) - k])
 
 
 def _median_ci(values: Sequence[float]) -> Tuple[float, float]:
@@ -32,10 +75,13 @@ def add_noise(c: Dict[str, Any], samples_per_step: int) -> None:
     if not per_round:
         return
     rate = lambda ms: samples_per_step / (ms / 1e3)  # noqa: E731
-    rounds = [rate(statistics.median(r)) for r in per_round]
-    ci_fast, ci_slow = _median_ci([t for r in per_round for t in r])
-    lo = min([rate(ci_slow), c["samples_per_s"], *rounds])
-    hi = max([rate(ci_fast), c["samples_per_s"], *rounds])
+    rounds = [rate(_interquartile_mean(r)) for r in per_round]
+    if len(rounds) >= MIN_PAIRED_ROUNDS:
+        lo, hi = _log_t_interval(rounds)
+    else:
+        ci_fast, ci_slow = _median_ci([t for r in per_round for t in r])
+        lo, hi = min([rate(ci_slow), *rounds]), max([rate(ci_fast), *rounds])
+    lo, hi = min(lo, c["samples_per_s"]), max(hi, c["samples_per_s"])
     c["samples_per_s_rounds"] = rounds
     c["samples_per_s_interval"] = [lo, hi]
     c["noise_pct"] = 100 * (hi - lo) / 2 / c["samples_per_s"]
@@ -46,10 +92,30 @@ def overlap(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return a_lo <= b_hi and b_lo <= a_hi
 
 
+def paired_rounds(a: Dict[str, Any], b: Dict[str, Any]) -> List[float]:
+    """``a``'s rate over ``b``'s, round by round (the rounds both ran; a configuration that
+    failed in a round has no entry for it, so the lists are aligned only when equal)."""
+    ra, rb = a.get("samples_per_s_rounds") or [], b.get("samples_per_s_rounds") or []
+    if len(ra) != len(rb):
+        return []
+    return [x / y for x, y in zip(ra, rb)]
+
+
 def _ratio(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    value = a["samples_per_s"] / b["samples_per_s"]
+    pairs = paired_rounds(a, b)
+    if len(pairs) >= MIN_PAIRED_ROUNDS:
+        lo, hi = _log_t_interval(pairs)
+        lo, hi = min(lo, value), max(hi, value)
+        return {"value": value, "interval": [lo, hi], "within_noise": lo <= 1.0 <= hi, "paired_rounds": len(pairs)}
     (a_lo, a_hi), (b_lo, b_hi) = a["samples_per_s_interval"], b["samples_per_s_interval"]
-    return {"value": a["samples_per_s"] / b["samples_per_s"], "interval": [a_lo / b_hi, a_hi / b_lo],
-            "within_noise": overlap(a, b)}
+    return {"value": value, "interval": [a_lo / b_hi, a_hi / b_lo], "within_noise": overlap(a, b),
+            "paired_rounds": 0}
+
+
+def within_noise(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether ``a``'s and ``b``'s rates are within noise of each other (see the module)."""
+    return bool(_ratio(a, b)["within_noise"])
 
 
 def noise_verdicts(reactive: Dict[str, Any], resident: Dict[str, Any], best: Dict[str, Any],
@@ -60,8 +126,7 @@ def noise_verdicts(reactive: Dict[str, Any], resident: Dict[str, Any], best: Dic
     upper bound" when within noise and as an upper-bound violation (suspect figures) beyond.
     """
     speed = _ratio(best, reactive)
-    speed["verdict"] = ("within noise: the two intervals overlap, no measured difference" if speed["within_noise"]
-                        else "beyond noise")
+    speed["verdict"] = ("within noise: no measured difference" if speed["within_noise"] else "beyond noise")
     frac = _ratio(best, resident)
     above = frac["value"] > 1.0
     frac["upper_bound_violation"] = above and not frac["within_noise"]
@@ -76,10 +141,20 @@ def noise_verdicts(reactive: Dict[str, Any], resident: Dict[str, Any], best: Dic
         frac["verdict"] = "within noise of all-resident"
     else:
         frac["verdict"] = "below all-resident beyond noise"
-    tied = [c["prefetch_depth"] for c in proactive if c["name"] != best["name"] and overlap(c, best)]
+    tied = [c["prefetch_depth"] for c in proactive if c["name"] != best["name"] and within_noise(c, best)]
     return {"speedup_vs_reactive": speed, "fraction_of_resident": frac, "depths_within_noise_of_best": tied,
-            "method": "interval = range of the per-round rates, widened to the 95% CI of the median step "
-                      "(order statistics over every measured step); within noise = intervals overlap"}
+            "method": method(speed["paired_rounds"])}
+
+
+def method(paired: int) -> str:
+    """How the ratios' intervals were formed, in words (for the JSON and the summary)."""
+    if paired:
+        return (f"each round's rate from its interquartile mean step; ratio interval = 95% t-interval of the mean "
+                f"of the {paired} per-round log-ratios (every round runs every configuration back to back, so the "
+                "machine's drift cancels), widened to include the reported ratio; within noise = it holds 1")
+    return ("ratio interval = quotient of the two rates' intervals (each: the range of the per-round rates, widened "
+            f"to the 95% CI of the median step); within noise = the rates' intervals overlap (fewer than "
+            f"{MIN_PAIRED_ROUNDS} rounds: no per-round ratios to use)")
 
 
 def sweep_warnings(rows: Sequence[Dict[str, Any]]) -> List[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from .noise import add_noise, noise_verdicts, overlap
+from .noise import add_noise, noise_verdicts, within_noise
 
 __all__ = ["REQUIRED_KEYS", "COUNTER_KEYS", "VALIDATION_TOLERANCE", "summarize", "format_table"]
 
@@ -69,7 +69,7 @@ def summarize(rank0: Dict[str, Any], world_size: int) -> Dict[str, Any]:
     if "cache100" in res:
         report["cache100_overhead_vs_resident"] = resident["samples_per_s"] / res["cache100"]["samples_per_s"]
         if "samples_per_s_interval" in res["cache100"] and "samples_per_s_interval" in resident:
-            report["cache100_within_noise_of_resident"] = overlap(res["cache100"], resident)
+            report["cache100_within_noise_of_resident"] = within_noise(res["cache100"], resident)
     return report
 
 

@@ -16,11 +16,13 @@ On CPU the host-to-device link is an *emulated* copy engine (``link.kind == "emu
 whose bandwidth is calibrated, unless given, so that one step's cold fetch costs
 ``--target-fetch-fraction`` of a resident step. Every figure in the output says so.
 
-Every configuration runs ``--rounds`` times (rotated order). Each rate comes with an
-interval: the range of its per-round rates, widened to the 95% confidence interval of the
-median step over all measured steps. A ratio whose two intervals overlap is reported as
-"within noise". Progress goes to stderr, the summary to stdout (``--json -``: the JSON
-report to stdout and the summary to stderr).
+Every configuration runs once per round, ``--rounds`` rounds (rotated order): many short
+rounds rather than a few long ones, so that each ratio is judged on per-round ratios, which
+cancel the machine's drift. Each rate and each ratio comes with a 95% interval
+(``noise.py``); a ratio is "within noise" when its interval holds 1. Every rank runs one
+intra-op thread per core it has to itself (ranks and the fetch workers share the cores).
+Progress goes to stderr, the summary to stdout
+(``--json -``: the JSON report to stdout and the summary to stderr).
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ from .report import COUNTER_KEYS, REQUIRED_KEYS, format_table, summarize
 # --------------------------------------------------------------------------------------------
 # running
 
+#: Rounds of a default run: 12 per-round ratios give a t-interval about a third as wide as
+#: one per-round ratio's spread (noise.MIN_PAIRED_ROUNDS is the least that gives one).
+DEFAULT_ROUNDS = 12
+
 
 def _settings(args: argparse.Namespace) -> Any:
     from .rank import BenchSettings
@@ -48,7 +54,7 @@ def _settings(args: argparse.Namespace) -> Any:
 
     workload = Workload(num_tables=args.tables, rows_per_table=args.rows, embedding_dim=args.dim,
                         batch_size=args.batch_size, zipf_alpha=args.zipf_alpha, skew=args.skew)
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else DEFAULT_ROUNDS)
     s = BenchSettings(
         workload=workload, sharding=args.sharding, cache_load_factor=args.cache_load_factor,
         depths=tuple(args.depths), warmup_steps=args.warmup, measure_steps=args.steps,
@@ -74,6 +80,13 @@ def _expected_measurements(settings: Any) -> int:
 def _bench_worker(rank: int, world_size: int, settings: Any, label: str = "bench") -> Dict[str, Any]:
     """One bench rank, quiet about third-party warnings; rank 0 draws the progress bar (stderr)."""
     quiet_third_party()
+    import os
+
+    import torch
+
+    # One intra-op thread per core the rank has to itself: more would make the ranks (and
+    # their fetch workers) take turns on the cores, noise that no number of rounds averages out.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     from .rank import bench_rank
 
     if rank != 0:
@@ -189,10 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--depths", type=comma_list(int_at_least(1), "integers >= 1"), default="1,2,4,8",
                    metavar="K,...", help="proactive prefetch depths (reactive, depth 0, always runs)")
     m.add_argument("--warmup", type=int_at_least(1), default=8, metavar="N", help="warm-up steps per run, not timed")
-    m.add_argument("--steps", type=int_at_least(1), default=64, metavar="N", help="timed steps per run")
+    m.add_argument("--steps", type=int_at_least(1), default=32, metavar="N", help="timed steps per run (round)")
     m.add_argument("--rounds", type=int_at_least(1), default=None, metavar="N",
-                   help="times each configuration runs, in rotated order; the spread across rounds is reported "
-                        "(default: 3, 1 with --quick)")
+                   help="times each configuration runs, in rotated order; ratios are judged on the per-round "
+                        f"ratios from 6 rounds on (default: {DEFAULT_ROUNDS}, 1 with --quick)")
     m.add_argument("--link-bandwidth-gbps", type=float_above(0.0), default=None, metavar="GBPS",
                    help="emulated link bandwidth (default: calibrated to --target-fetch-fraction)")
     m.add_argument("--link-latency-us", type=float_at_least(0.0), default=100.0, metavar="US",
