@@ -140,12 +140,19 @@ def capacity_too_small(rank: int, world_size: int) -> Dict[str, Any]:
             warnings.simplefilter("always")
             out = _run(pipe, batches)
         runs[depth] = (out, _params(dmp), pipe.stats(), [str(w.message) for w in caught])
-    (out0, p0, _, _), (out4, p4, stats4, warned) = runs[0], runs[4]
+    (out0, p0, stats0, _), (out4, p4, stats4, warned) = runs[0], runs[4]
+    # the same batches at depth 4 with room for every row: nothing waits
+    dmp, opt = _proactive(tables, copy.deepcopy(init), sharding="table_wise", cache_load_factor=1.0)
+    roomy = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=4)
+    _run(roomy, batches)
     return {
         "n": len(out4),
         "bitwise": all(torch.equal(a, b) for a, b in zip(out0, out4)) and all(torch.equal(p0[k], p4[k]) for k in p0),
         "deferred": stats4["deferred_batches"], "overflow": stats4["overflow_rows"],
         "warnings": [w for w in warned if "served from the host tier" in w],
+        "leads": {"depth0": stats0["prefetch_lead_lookups"], "small_cache_depth4": stats4["prefetch_lead_lookups"],
+                  "roomy_depth4": roomy.stats()["prefetch_lead_lookups"], "batches": stats4["batches"],
+                  "roomy_deferred": roomy.stats()["deferred_batches"]},
     }
 
 

@@ -54,6 +54,10 @@ def test_prefetching_takes_the_copies_off_the_critical_path(quick_report):
     assert reactive["rows_fetched_at_lookup_per_step"] == reactive["rows_fetched_per_step"]
     for k in (1, 2):
         assert by_name[f"depth_{k}"]["deferred_batches_per_step"] == 0
+        # the counted effective depth (what the scaling model reads): every batch k lookups ahead
+        assert by_name[f"depth_{k}"]["mean_prefetch_lead"] == k
+    assert reactive["mean_prefetch_lead"] == 0 and by_name["resident"].get("mean_prefetch_lead") is None
+    assert 0 < by_name["depth_4"]["mean_prefetch_lead"] <= 4
     for k in (1, 2, 4):
         c = by_name[f"depth_{k}"]
         assert c["overflow_rows_per_step"] == 0
@@ -71,6 +75,7 @@ def test_prefetching_takes_the_copies_off_the_critical_path(quick_report):
     assert small["overflow_rows_per_step"] > 0 and small["deferred_batches_per_step"] > 0
     assert small["rows_fetched_at_lookup_per_step"] == small["rows_fetched_per_step"]
     assert small_reactive["rows_fetched_at_lookup_per_step"] == small_reactive["rows_fetched_per_step"]
+    assert small["mean_prefetch_lead"] == 0  # (nothing was fetched ahead)
 
 
 def test_timeline_files_written(quick_report):

@@ -122,6 +122,17 @@ def test_cache_too_small_for_depth_still_trains_exactly_counts_and_warns_once():
         assert res["n"] == 8 and res["bitwise"], res
         # the table owner's rank waited for pins, and served what never fit from the host tier
     assert sum(r["deferred"] for r in results) > 0 and sum(r["overflow"] for r in results) > 0, results
+    # the effective depth is counted (ProactiveStats.prefetch_lead_lookups): per batch, how many
+    # lookups ahead its fetch was issued. Reactive: 0. Depth 4 with room: batch 0 is fetched
+    # at its lookup, batches 1-4 are planned in batch 0's output all-to-all, then batch j + 4
+    # in batch j's: batch j runs min(j, 4) lookups ahead. Batches that waited for pins (here:
+    # until their lookup) ran with less lead.
+    for res in results:
+        leads = res["leads"]
+        assert leads["batches"] == 8 and leads["depth0"] == 0, leads
+        assert leads["roomy_deferred"] == 0 and leads["roomy_depth4"] == sum(min(j, 4) for j in range(8)), leads
+    waited = [r["leads"] for r in results if r["deferred"]]
+    assert waited and all(w["small_cache_depth4"] < w["roomy_depth4"] for w in waited), waited
     for res in results:
         waits = [w for w in res["warnings"] if "fetch waits" in w]
         served = [w for w in res["warnings"] if "were served from the host tier" in w]

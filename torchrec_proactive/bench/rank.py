@@ -142,9 +142,10 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
     s = sorted(step)
     total = {k: sum(m.deltas.get(k, 0.0) for m in runs) for k in runs[0].deltas}
     stall = _max_over_ranks([total.get("stall_s", 0.0) / n])[0]
-    rows, nbytes, wb, hits, req, deferred, overflow, at_lookup = _sum_over_ranks(
+    rows, nbytes, wb, hits, req, deferred, overflow, at_lookup, leads, batches = _sum_over_ranks(
         [total.get(k, 0.0) for k in ("rows_fetched", "bytes_moved", "rows_written_back", "hits", "rows_requested",
-                                     "deferred_batches", "overflow_rows", "rows_fetched_at_lookup")]
+                                     "deferred_batches", "overflow_rows", "rows_fetched_at_lookup",
+                                     "prefetch_lead_lookups", "batches")]
     )
     # Planning per step on the slowest rank: wall time, and the planning thread's CPU time.
     plan_s, plan_cpu_s = _max_over_ranks([total.get("plan_s", 0.0) / n, total.get("plan_cpu_s", 0.0) / n])
@@ -172,6 +173,9 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         "plan_ms_per_step": 1e3 * plan_s,
         "plan_cpu_ms_per_step": 1e3 * plan_cpu_s,
         "deferred_batches_per_step": deferred / n,
+        # counted: how many lookups ahead each batch's fetch was issued, mean over batches
+        # (k at depth k while the cache holds k + 1 batches; 0 reactive; None: no store)
+        "mean_prefetch_lead": leads / batches if batches else None,
         "overflow_rows_per_step": overflow / n,
         "hit_rate": hits / req if req else (1.0 if total else None),
         "step_ms_per_round": per_round,

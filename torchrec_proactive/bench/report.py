@@ -24,7 +24,7 @@ REQUIRED_KEYS = (
 #: depend on the data, the cache and the depth only, so tests can assert them exactly.
 COUNTER_KEYS = ("rows_requested_per_step", "rows_fetched_per_step", "rows_fetched_at_lookup_per_step",
                 "bytes_moved_per_step", "rows_written_back_per_step", "hit_rate", "deferred_batches_per_step",
-                "overflow_rows_per_step")
+                "overflow_rows_per_step", "mean_prefetch_lead")
 
 
 def summarize(rank0: Dict[str, Any], world_size: int) -> Dict[str, Any]:

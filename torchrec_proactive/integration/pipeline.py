@@ -424,7 +424,9 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         waited for pins until their lookup), ``rows_written_back``, ``bytes_moved``
         (fetches and write-backs, optimizer state included; host-tier reads of overflow rows
         are not moves), ``deferred_batches`` (prefetches that waited for pins, per module),
-        ``overflow_rows`` (rows served from the host tier), ``plan_s`` / ``plan_cpu_s``
+        ``overflow_rows`` (rows served from the host tier), ``prefetch_lead_lookups`` (per
+        batch, how many of its module's lookups ahead its fetch was issued, summed: divided by
+        ``batches`` it is the effective depth, ``k`` when nothing waits), ``plan_s`` / ``plan_cpu_s``
         (planning wall / CPU seconds), ``late_updates`` (backwards that came after their
         module's next training forward, whose rows were planned again: see the README's pin
         rule) and ``external_writes`` (in-place writes into the exposed tensors that the

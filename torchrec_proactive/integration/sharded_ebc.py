@@ -90,6 +90,10 @@ class BatchFetch:
     # waited until its lookup): its rows were copied on the critical path.
     at_lookup: bool = False
     owner: Any = None  # the prefetching pipeline (see ProactiveEBCContext.owner)
+    # The module's lookups done when the fetch was issued; at the batch's lookup, its lead
+    # (how many lookups ahead it was issued: k at depth k, 0 at lookup) follows from it.
+    issued_after_lookups: int = 0
+    lead: int = 0
 
     @property
     def released(self) -> bool:
@@ -169,6 +173,10 @@ class ProactiveStats:
     plan_cpu_s: float = 0.0
     deferred_batches: int = 0  # prefetches that waited for pins (effective depth dropped)
     overflow_rows: int = 0  # rows served from the host tier because one batch outgrew the cache
+    # Sum over looked-up batches of their leads: how many lookups ahead of its own the fetch
+    # was issued (0 at lookup, k at depth k; less for a batch that waited for pins). Divided
+    # by ``batches``: the effective depth, counted rather than inferred from waits.
+    prefetch_lead_lookups: int = 0
     keep_records: bool = False
     records: Deque[BatchRecord] = field(default_factory=lambda: deque(maxlen=100_000))
 
@@ -182,6 +190,7 @@ class ProactiveStats:
             "rows_fetched_at_lookup": self.rows_fetched_at_lookup,
             "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
             "deferred_batches": self.deferred_batches, "overflow_rows": self.overflow_rows,
+            "prefetch_lead_lookups": self.prefetch_lead_lookups,
             "plan_s": self.plan_s, "plan_cpu_s": self.plan_cpu_s,
         }
 
@@ -213,6 +222,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # and batches planned by a prefetch whose lookup has not come yet.
         self._waiting: Deque[Tuple[Any, KJTList]] = deque()
         self._prefetched: List[BatchFetch] = []
+        self._lookups_consumed = 0  # lookups that consumed a fetch (for ProactiveStats.prefetch_lead_lookups)
         self._validator = InputValidator(self._embedding_bag_configs)
         self._warned_deferral = False
         # Set by the pipeline for the batch it is running; a forward of such a batch whose
@@ -367,6 +377,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             ctx.fetch = None  # type: ignore[attr-defined]
             self._prefetched = [f for f in self._prefetched if f is not fetch]
             self._consumed = [f for f in self._consumed if not f.released] + [fetch]
+            fetch.lead = 0 if fetch.at_lookup else self._lookups_consumed - fetch.issued_after_lookups + 1
+            self._lookups_consumed += 1
             lookup_started = time.perf_counter()
             try:
                 stall = self._fetch_engine.wait(fetch.ticket)
@@ -486,7 +498,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for group in groups:
                 group.kernel._release(group)
             raise
-        return BatchFetch(ticket, groups, index, owner=_owner(ctx))
+        return BatchFetch(ticket, groups, index, owner=_owner(ctx), issued_after_lookups=self._lookups_consumed)
 
     def _warn_deferral_once(self, index: Optional[int], why: CacheCapacityError) -> None:
         if self._warned_deferral:
@@ -535,6 +547,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 written_back += plan.num_writebacks
                 st.overflow_rows += plan.num_overflow
         st.batches += 1
+        st.prefetch_lead_lookups += fetch.lead
         st.stall_s += stall
         st.rows_requested += requested
         st.hits += hits
