@@ -55,9 +55,12 @@ def test_step_model_hand_computed():
     assert step_s(c, 0) == pytest.approx(30 * MS)  # reactive: the copy on the critical path
     for k in (1, 2, 8):  # a 10 ms copy hides behind a 20 ms step
         assert step_s(c, k) == pytest.approx(20 * MS)
-    # a copy longer than the step: the copy engine bounds it; x = (F - k S0) / (k + 1) below that
+    # a copy longer than the step: at depth 1 its window is the step less the issue delay
+    # L = forward + plan (1 ms here), so the step is L + F = 11 ms; deeper, the copy engine
+    # bounds it (10 ms)
     slow = _costs(main_ms=6, copy_ms=10)
-    assert step_s(slow, 1) == pytest.approx(10 * MS)
+    assert step_s(slow, 1) == pytest.approx(11 * MS)
+    assert step_s(slow, 2) == pytest.approx(10 * MS)
     assert step_s(slow, 0) == pytest.approx(16 * MS)
     # planning hides behind the output all-to-all (2 ms) only: 5 ms shows 3 ms at depth k,
     # all of it at depth 0
@@ -69,12 +72,15 @@ def test_step_model_hand_computed():
     assert slow.issue_after_lookup_s == pytest.approx(1 * MS)
     # a mean lead of 0.5: half the batches ran reactive, half at depth 1 (steps mix); a
     # mostly-reactive schedule is never slower than reactive
-    assert step_s(slow, 0.5) == pytest.approx(0.5 * 16 * MS + 0.5 * 10 * MS)
+    assert step_s(slow, 0.5) == pytest.approx(0.5 * 16 * MS + 0.5 * 11 * MS)
     assert step_s(c, 0.1) <= step_s(c, 0)
-    # a copy that outlasts the window at depth 1 stalls: (S0 + F + L) / 2 > F
+    # a copy that outlasts the window at depth 1 stalls: k S >= L + F, L = forward here
     long = _costs(main_ms=20, copy_ms=25, out_ms=2)  # forward (20 - 3) / 3 ms
-    assert step_s(long, 1) == pytest.approx((20 + 25 + 17 / 3) / 2 * MS)
+    assert step_s(long, 1) == pytest.approx((17 / 3 + 25) * MS)
     assert step_s(long, 2) == pytest.approx(25 * MS)  # deeper: only the copy engine bounds it
+    # a copy that fits a step but not the step less L: depth 1 stalls, depth 2 does not
+    tight = _costs(main_ms=20, copy_ms=18, out_ms=2)
+    assert step_s(tight, 1) == pytest.approx((17 / 3 + 18) * MS) and step_s(tight, 2) == pytest.approx(20 * MS)
 
 
 def test_stage_costs_refuse_bad_values():

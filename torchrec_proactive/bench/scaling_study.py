@@ -2,7 +2,8 @@
 
 1. **Validation on held-out runs.** The bench's measured runs (gloo ranks, emulated link) are
    modelled with each run's measured resident and 100%-cache steps, gloo collectives and
-   link parameters as the "hardware". Two inputs are fitted on :data:`CALIBRATION` only
+   link parameters as the "hardware", at each configuration's counted effective depth
+   (``mean_prefetch_lead``). Two inputs are fitted on :data:`CALIBRATION` only
    (:func:`fit`); every other configuration is a prediction (``held_out``): other depths,
    the 1% cache, other rank counts, and the skewed straggler runs. Entries beyond their
    target are reported with the reason (:func:`miss_reason`), never hidden by a wider gate.
@@ -108,20 +109,25 @@ class Fitted:
     """What the calibration set fits (everything else is measured per run or known)."""
 
     plan_s_per_row: float
-    copy_s_per_row: float  # host work per copied row on top of the link (gather, scatter)
+    #: per copied row, what a lookup that waits for its copy pays beyond the link's time
+    #: (``StageCosts.wait_s``; the emulated engine itself takes ``max(link, host copy)``)
+    copy_s_per_row: float
 
     def to_dict(self) -> Dict[str, float]:
         return {"plan_s_per_row": self.plan_s_per_row, "copy_s_per_row": self.copy_s_per_row}
 
 
 def _effective_depth(run: Mapping[str, Any], config: Mapping[str, Any]) -> float:
-    """The lead the bench's counters show: rows copied at lookup (``s`` of the copies) ran
-    reactive, lead 0; the rest were prefetched, with the nominal depth less the share of
-    prefetches that waited for pins (``w`` per rank and step), but at least 1 (a prefetched
-    batch was planned at least a step ahead): ``(1 - s) * max(1, k * (1 - w))``."""
+    """The lead the bench counted (``mean_prefetch_lead``: per batch, how many lookups ahead
+    its fetch was issued, 0 for rows copied at lookup). Reports from before that counter
+    infer it: rows copied at lookup (``s`` of the copies) ran reactive; the rest ran at the
+    nominal depth less the share of prefetches that waited for pins (``w`` per rank and
+    step), but at least 1: ``(1 - s) * max(1, k * (1 - w))``."""
     depth = float(config["prefetch_depth"])
     if depth == 0:
         return 0.0
+    if config.get("mean_prefetch_lead") is not None:
+        return float(config["mean_prefetch_lead"])
     fetched = config.get("rows_fetched_per_step") or 0.0
     at_lookup = min(1.0, (config.get("rows_fetched_at_lookup_per_step") or 0.0) / fetched) if fetched else 0.0
     waited = min(1.0, (config.get("deferred_batches_per_step") or 0.0) / run["world_size"])
@@ -132,8 +138,10 @@ def _validation_costs(run: Mapping[str, Any], config: Mapping[str, Any], fitted:
     """The CPU run as "hardware": the run's measured stock all-resident step plus the store's
     own overhead (its 100%-cache step minus that, less the exposed planning), the run's gloo
     collectives, the emulated link (latency + bytes / bandwidth, the slowest rank's bytes:
-    :func:`straggler_factor` of the counted per-rank bytes) plus the fitted host cost per
-    copied row, the fitted planning cost per requested row; forward : backward = 1 : 2."""
+    :func:`straggler_factor` of the counted per-rank bytes; the engine's host copies run
+    inside the link's time), the fitted cost per copied row of a lookup that waits for its
+    copy (``wait_s``, reactive only), the fitted planning cost per requested row;
+    forward : backward = 1 : 2."""
     world = run["world_size"]
     comm = run.get("comm_s") or {}
     input_a2a, output_a2a, allreduce = (comm.get(k, 0.0) if world > 1 else 0.0
@@ -150,11 +158,11 @@ def _validation_costs(run: Mapping[str, Any], config: Mapping[str, Any], fitted:
     factor = straggler_factor(per_rank, int(round(depth))) if len(per_rank) > 1 else 1.0
     moved = factor * config["bytes_moved_per_step"] / world  # the report sums over ranks
     rows = factor * (config.get("rows_fetched_per_step", 0.0) + config.get("rows_written_back_per_step", 0.0)) / world
-    copy = (link["latency_us"] * 1e-6 + moved / (link["bandwidth_gbps"] * 1e9) + rows * fitted.copy_s_per_row
-            if moved else 0.0)
+    copy = link["latency_us"] * 1e-6 + moved / (link["bandwidth_gbps"] * 1e9) if moved else 0.0
     plan = fitted.plan_s_per_row * config.get("rows_requested_per_step", 0.0) / world
     return StageCosts(input_a2a_s=input_a2a, forward_s=compute / 3, output_a2a_s=output_a2a,
-                      backward_s=2 * compute / 3, allreduce_s=allreduce, copy_s=copy, plan_s=plan)
+                      backward_s=2 * compute / 3, allreduce_s=allreduce, copy_s=copy, plan_s=plan,
+                      wait_s=rows * fitted.copy_s_per_row)
 
 
 #: What :func:`validate` reads of a bench report (kept in projection.json and the fixture, so a
@@ -163,7 +171,7 @@ RUN_KEYS = ("world_size", "link", "comm_s", "skew", "label")
 CONFIG_KEYS = ("name", "prefetch_depth", "step_ms_median", "bytes_moved_per_step", "plan_ms_per_step",
                "rows_requested_per_step", "rows_fetched_per_step", "rows_written_back_per_step",
                "rows_fetched_at_lookup_per_step",
-               "deferred_batches_per_step", "cache_load_factor", "bytes_moved_by_rank_step")
+               "deferred_batches_per_step", "mean_prefetch_lead", "cache_load_factor", "bytes_moved_by_rank_step")
 
 
 def validation_inputs(run: Mapping[str, Any]) -> Dict[str, Any]:
@@ -229,17 +237,18 @@ def miss_reason(entry: Mapping[str, Any]) -> str:
     """Why a validation entry misses its target, from what the model leaves out (stated, not
     fitted away)."""
     if entry["config"] == "cache1_reactive":
-        return ("1% cache, reactive: a full small cache evicts on every miss, and its victim scans cost more per "
-                "copied row than the per-row cost fitted on the 5% cache (the model has one per-row cost)")
+        return ("1% cache, reactive: a full small cache evicts on every miss, and what its lookups pay beyond the "
+                "link per copied row differs from the per-row cost fitted on the 5% cache (the model has one)")
     if entry["config"] == "cache1":
-        return ("1% cache: prefetches wait for pins, and the model takes the lead of a waiting batch from the "
-                "bench's counters (waits and rows copied at lookup), not from measured leads")
+        return ("1% cache: prefetches wait for pins, so leads spread between 0 and k; the model takes their counted "
+                "mean (mean_prefetch_lead) and mixes the two neighbouring depths, not the spread itself")
     if entry["ranks"] > 1 and entry["skew"]:
         return ("skewed multi-rank: the straggler factor comes from one round's counted bytes, and the model gives "
                 "every rank's copy engine its own core while the ranks, their fetch workers and link emulations "
                 "share 2 (a rank's copy waits for a core the model does not see)")
     if entry["depth"] == 0:
-        return "reactive: the copy's host work (gather, scatter) differs from the fitted per-row cost"
+        return ("reactive: what a lookup waiting for its copy pays beyond the link (waking the thread, binding "
+                "rows) differs from the fitted per-row cost")
     return ("proactive: the fetch worker and the link emulation compete with the ranks for 2 cores; the model "
             "gives the copy engine a core of its own")
 

@@ -10,15 +10,17 @@ path. Proactive at depth ``k`` plans batch ``N+k`` while batch N's output all-to
 flight (only planning that outlasts it shows) and copies its rows behind the next ``k``
 steps. With ``S0`` the main thread's step and ``F`` one batch's copy::
 
-    S(0) = S0 + plan + F
-    S(k) = max(S0', F, (S0' + F + L) / (k + 1))    S0' = S0 + max(0, plan - output a2a)
-                                                   L   = forward + plan
+    S(0) = S0 + plan + F + W            W: the lookup's own wait for its copy (hand-off)
+    S(k) = max(S0', F, (L + F) / k)    S0' = S0 + max(0, plan - output a2a)
+                                       L   = forward + plan
 
 The copy of batch ``N+k`` is issued ``L`` after batch N's lookup (the rest of forward N,
-then planning) and must land by the lookup of ``N+k``; the copy engine moves one batch at a
-time (at most one batch per ``F``), and a copy that outlasts its window lengthens those very
-steps: the stall ``x`` solves ``x = max(0, L + F - k (S0' + x))`` (max-plus algebra of the
-schedule; the emulated link of the CPU bench is such an engine). ``k`` is the *effective* depth: when the cache cannot hold
+then planning) and must land by the lookup of ``N+k``, ``k`` steps later: ``k S >= L + F``.
+The copy engine moves one batch at a time (``S >= F``), and a copy that outlasts its window
+lengthens those very steps (a stall before each lookup; max-plus algebra of the schedule;
+the emulated link of the CPU bench is such an engine). At depth 1 the window is the step
+less ``L``: a copy that fills a step without its issue delay still stalls, which is why
+depth 2 pays where one batch's copy is about as long as a step (the skewed straggler runs). ``k`` is the *effective* depth: when the cache cannot hold
 ``k + 1`` batches' rows, prefetches wait for pins and the mean lead of a batch (measured by
 :mod:`.cache_replay`) is what counts; a lead of 0 is reactive, and a mean lead between two
 depths mixes their step times in proportion (the batches that waited ran reactive).
@@ -49,7 +51,9 @@ __all__ = ["StageCosts", "step_s", "DLRMShape", "gpu_stage_costs", "window_means
 @dataclass(frozen=True)
 class StageCosts:
     """Seconds one rank spends per step in each stage (``copy_s``: one batch's rows on the
-    copy engine; ``plan_s``: planning one batch on the host)."""
+    copy engine; ``plan_s``: planning one batch on the host; ``wait_s``: what a lookup that
+    waits for its own copy pays on top of it - waking the waiting thread, binding the
+    rows - which a prefetched batch never pays)."""
 
     input_a2a_s: float
     forward_s: float
@@ -58,6 +62,7 @@ class StageCosts:
     allreduce_s: float
     copy_s: float
     plan_s: float = 0.0
+    wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -91,9 +96,9 @@ def step_s(costs: StageCosts, depth: float) -> float:
         # batches in ten are reactive).
         return (lo + 1 - depth) * step_s(costs, lo) + (depth - lo) * step_s(costs, lo + 1)
     if depth == 0:
-        return costs.main_s + costs.plan_s + costs.copy_s
+        return costs.main_s + costs.plan_s + costs.copy_s + costs.wait_s
     main = costs.main_s + max(0.0, costs.plan_s - costs.output_a2a_s)
-    return max(main, costs.copy_s, (main + costs.copy_s + costs.issue_after_lookup_s) / (depth + 1))
+    return max(main, costs.copy_s, (costs.issue_after_lookup_s + costs.copy_s) / depth)
 
 
 # --------------------------------------------------------------------------------------------
