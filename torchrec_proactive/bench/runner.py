@@ -321,7 +321,7 @@ def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace) ->
         stragglers.append(rep)
     doc = write_study(args.scaling, runs, study, straggler_runs=stragglers)
     return {k: doc.get(k) for k in ("validation", "validation_max_abs_error", "calibration_max_abs_error",
-                                     "held_out_max_abs_error", "stragglers", "verdicts", "files")}
+                                     "held_out_max_abs_error", "targets", "misses", "stragglers", "verdicts", "files")}
 
 
 def _cache_planning(args: argparse.Namespace, summary: Any) -> int:
