@@ -58,13 +58,29 @@ def test_user_errors_are_one_line_and_exit_2(args, option, value, limit):
     assert option in errors[0] and repr(value) in errors[0] and limit in errors[0], errors[0]
 
 
+def _bad_trace(tmp_path, kind):
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, 1000, size=(20_000, 4))
+    if kind == "negative":
+        ids[5, 2] = -7
+    path = tmp_path / f"{kind}.npy"
+    np.save(path, ids.astype(np.float64) + 0.5 if kind == "float" else ids if kind != "flat" else ids[:, 0])
+    return str(path)
+
+
 @pytest.mark.parametrize("args, named", [
-    (["--scaling-profile", "TPU"], "hardware profile 'TPU'"),
+    (["--scaling-profile", "TPU"], "--scaling-profile 'TPU': no such hardware profile; expected one of dgx_h100"),
     (["--scaling-trace", "no/such/day_0_sparse.npy"], "--scaling-trace 'no/such/day_0_sparse.npy'"),
+    (["--scaling-trace", "negative"], "ids must be >= 0, found -7"),
+    (["--scaling-trace", "float"], "expected integer ids, got dtype float64"),
+    (["--scaling-trace", "flat"], "expected [samples, tables] with at least"),
 ])
 def test_bad_scaling_inputs_stop_before_anything_runs(tmp_path, args, named):
     out = tmp_path / "sc"
-    proc = bench("--scaling", str(out), *args, timeout=120)
+    if args[1] in ("negative", "float", "flat"):
+        args = [args[0], _bad_trace(tmp_path, args[1])]
+    proc = bench("--scaling", str(out), "--quick", *args, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and named in lines[0], proc.stderr

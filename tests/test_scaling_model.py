@@ -120,7 +120,8 @@ def test_profiles_are_named_systems_with_sources():
     h100, gh200 = profile_named("DGX H100"), profile_named("GH200")
     assert (h100.host_link_gbps, h100.network_gbps, h100.gpus_per_node) == (64, 50, 8)  # PCIe Gen5, 400 Gb/s IB
     assert gh200.host_link_gbps == 450  # NVLink-C2C, each way
-    with pytest.raises(ValueError, match="hardware profile 'TPU'"):
+    with pytest.raises(ValueError, match="--scaling-profile 'TPU': no such hardware profile; expected one of "
+                                         "dgx_h100, dgx_h200, gh200"):
         profile_named("TPU")
 
 
@@ -390,6 +391,24 @@ def test_projection_json_and_plot(tmp_path):
         assert set(v["speedup_vs_depth1_by_scale"]) == set(v["speedup_by_scale"])
 
 
+def test_one_profile_plots_too(tmp_path):
+    # (a user trial: --scaling-profile dgx_h100 alone crashed the figure after the whole bench)
+    settings, doc = _small_study(tmp_path)
+    one = replace(settings, profiles=PROFILES[:1])
+    figures = _figures_of(doc)
+    out = write_study(tmp_path / "one", [r for r in doc["validation_runs"] if not r.get("label")], one,
+                      figures=figures, straggler_runs=[r for r in doc["validation_runs"] if r.get("label")])
+    assert [p["name"] for p in out["profiles"]] == [PROFILES[0].name]
+    assert (tmp_path / "one" / "projection.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _figures_of(doc):
+    from torchrec_proactive.bench.cache_replay import CachePoint
+
+    return [CachePoint(**{**f, "moved_rows_by_table": tuple(tuple(x) for x in f.get("moved_rows_by_table", ()))})
+            for f in doc["workload_figures"]]
+
+
 def test_projected_stragglers_grow_with_scale_for_reactive_only():
     from torchrec_proactive.bench.cache_replay import CachePoint
     from torchrec_proactive.bench.scaling_study import copy_factor
@@ -418,6 +437,10 @@ def test_owner_trace_replays_and_bad_traces_are_named(tmp_path):
         trace_id_stream(tmp_path / "flat.npy", 64, 8)
     with pytest.raises(ValueError, match="missing.npy"):
         trace_id_stream(tmp_path / "missing.npy", 64, 8)
+    # a float id would be truncated into another row: refused, naming the dtype
+    np.save(tmp_path / "float.npy", ids + 0.5)
+    with pytest.raises(ValueError, match="float.npy.*expected integer ids, got dtype float64"):
+        trace_id_stream(tmp_path / "float.npy", 64, 8)
 
 
 def test_verdicts_name_where_it_stops_paying_and_why():

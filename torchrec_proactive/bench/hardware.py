@@ -167,7 +167,9 @@ def profile_named(prefix: str) -> HardwareProfile:
     found = [p for p in PROFILES if p.name.lower().startswith(prefix.lower())
              or p.name.split(" (")[0].lower().replace(" ", "_") == prefix.lower()]
     if len(found) != 1:
-        raise ValueError(f"hardware profile {prefix!r}: expected one of {[p.name.split(' (')[0] for p in PROFILES]}")
+        names = ", ".join(p.name.split(" (")[0].lower().replace(" ", "_") for p in PROFILES)
+        raise ValueError(f"--scaling-profile {prefix!r}: no such hardware profile; expected one of {names} "
+                         f"(or the start of one)")
     return found[0]
 
 

@@ -103,7 +103,7 @@ def _workload_lines(report: Dict[str, Any]) -> List[str]:
     ]
     if settings["rounds"] < 2:
         lines.append("one round: a smoke test, not a measurement - the intervals below come from that round's "
-                     "step times alone (run without --quick, 3 rounds, for ratios to quote)")
+                     "step times alone (run without --quick, at least 6 rounds - the default is 12 - for ratios to quote)")
     return lines
 
 

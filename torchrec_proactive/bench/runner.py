@@ -140,15 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("outputs")
     out.add_argument("--quick", action="store_true",
                      help="small model, few steps: at most 4 tables x 20k rows, batch 256, 4 + 10 steps, depths "
-                          "1,2,4 and 1 round unless --rounds is given (10-30 s; a smoke test, too short for ratios)")
+                          "1,2,4 and 1 round unless --rounds is given (10-30 s, 1.5-5 min with --scaling; a smoke "
+                          "test, too short for ratios)")
     out.add_argument("--json", type=Path, metavar="PATH",
                      help="write the JSON report here ('-': to stdout, the summary then goes to stderr); "
                           "default: no JSON")
     out.add_argument("--timeline", type=Path, metavar="DIR",
                      help="write timeline.png and timeline.trace.json (Chrome trace) here; default: none")
     out.add_argument("--scaling", type=Path, metavar="DIR",
-                     help="also run 1 rank, validate the step model on both runs, project it to GPU systems (H100, "
-                          "H200, GH200) and write projection.png/json here; default: none")
+                     help="also run 1 rank and the skewed 1/2/4-rank straggler runs, validate the step model on "
+                          "them, project it to GPU systems (H100, H200, GH200) and write projection.png/json here "
+                          "(and the generated Criteo-format ids it replays, DIR/criteo_data); about 16 min on 2 "
+                          "cores; default: none")
     sc = p.add_argument_group("scaling study (with --scaling)")
     sc.add_argument("--scaling-profile", type=comma_list(str, "profile names"), default=None, metavar="NAME,...",
                     help="hardware profiles to project to (dgx_h100, dgx_h200, gh200; a name's start works); "
@@ -162,10 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--scaling-ids-per-sample", type=float_above(0.0), default=1.0, metavar="X",
                     help="ids per sample and table (multi-hot: MLPerf DLRM-dcnv2 averages about 8)")
     sc.add_argument("--scaling-host-link-gbps", type=float_above(0.0), default=None, metavar="GBPS",
-                    help="achievable host->device copy bandwidth per direction (band +-10%%); default: each "
+                    help="achievable host->device copy bandwidth per direction (band +-10%%), for every profile "
+                         "chosen (GH200's C2C link included: pick profiles with --scaling-profile); default: each "
                          "profile's cited figure")
     sc.add_argument("--scaling-network-gbps", type=float_above(0.0), default=None, metavar="GBPS",
-                    help="achievable NIC bandwidth per GPU per direction (band +-10%%); default: the profile's")
+                    help="achievable NIC bandwidth per GPU per direction (band +-10%%), for every profile chosen; "
+                         "default: the profile's")
     sc.add_argument("--scaling-trace", type=Path, default=None, metavar="NPY",
                     help="your ids to replay instead of Zipf: an .npy of shape [samples, tables] (e.g. a "
                          "TorchRec-preprocessed Criteo day_N_sparse.npy); default: Zipf ids")
@@ -249,7 +254,7 @@ def _sweep(args: argparse.Namespace, settings: Any, summary: Any) -> int:
 def _study_settings(args: argparse.Namespace) -> Any:
     """The projection's inputs from the command line (model shape, profiles, bandwidths, trace)."""
     from .hardware import PROFILES, profile_named
-    from .scaling_study import StudySettings
+    from .scaling_study import StudySettings, check_trace
     from .step_model import DLRMShape
 
     profiles = tuple(profile_named(n) for n in args.scaling_profile) if args.scaling_profile else PROFILES
@@ -274,6 +279,7 @@ def _study_settings(args: argparse.Namespace) -> Any:
                           trace=args.scaling_trace)
     if args.quick:  # a smaller replay of the workload figures (a smoke test of the study)
         study = replace(study, criteo_batch=256, replay_steps=10, replay_warmup=4, fill_ids_per_slot=0.0)
+    check_trace(study)  # a bad trace is refused here, not after minutes of benchmarks
     return study
 
 

@@ -85,14 +85,16 @@ def study_figure(doc: Mapping[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
     profiles = [p["name"] for p in doc["profiles"]]
-    fig = plt.figure(figsize=(5.2 * len(profiles), 10.5))
-    grid = fig.add_gridspec(2, len(profiles), height_ratios=[1.25, 1.0], hspace=0.35)
+    # (at least two columns: the bottom row holds the validation and the assumptions side by side)
+    columns = max(2, len(profiles))
+    fig = plt.figure(figsize=(5.2 * columns, 10.5))
+    grid = fig.add_gridspec(2, columns, height_ratios=[1.25, 1.0], hspace=0.35)
     verdicts = doc["verdicts"]
     fractions = sorted({v["cache_fraction"] for v in verdicts})
     top = 1.0
     axes = []
     for i, name in enumerate(profiles):
-        ax = fig.add_subplot(grid[0, i], sharey=axes[0] if axes else None)
+        ax = fig.add_subplot(grid[0, i] if len(profiles) > 1 else grid[0, :], sharey=axes[0] if axes else None)
         axes.append(ax)
         for j, fraction in enumerate(fractions):
             for planning, style in (("device", "-"), ("host", "--")):
@@ -133,8 +135,11 @@ def study_figure(doc: Mapping[str, Any]) -> Any:
               + (f" s{c['skew']:g}" if c.get("skew") else "") for c in checks]
     xs = range(len(checks))
     val.bar([x - 0.2 for x in xs], [c["measured_step_ms"] for c in checks], 0.4, label="measured")
-    val.bar([x + 0.2 for x in xs], [c["modelled_step_ms"] for c in checks], 0.4, label="modelled (held out)",
-            color=["tab:orange" if c.get("held_out", True) else "tab:gray" for c in checks])
+    for held_out, label, color in ((True, "modelled, held out", "tab:orange"),
+                                   (False, "modelled, calibration [cal]", "tab:gray")):
+        at = [x for x, c in zip(xs, checks) if c.get("held_out", True) == held_out]
+        if at:
+            val.bar([x + 0.2 for x in at], [checks[x]["modelled_step_ms"] for x in at], 0.4, label=label, color=color)
     val.set_xticks(list(xs))
     val.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
     val.set_ylabel("step ms (CPU, emulated link)")

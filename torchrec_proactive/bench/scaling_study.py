@@ -303,14 +303,25 @@ def straggler_rows(runs: Sequence[Mapping[str, Any]], fitted: Fitted) -> List[Di
 # 2. workload figures
 
 
+def _replay_ids_per_step(settings: StudySettings) -> int:
+    return max(1, int(round(settings.shape.batch_per_gpu * settings.shape.ids_per_feature)))
+
+
+def check_trace(settings: StudySettings) -> None:
+    """Raises ``ValueError`` naming the trace, the value and the limit when ``settings.trace``
+    cannot be replayed (shape, dtype, negative or too-large ids in the steps replayed): the
+    CLI calls it before any bench runs."""
+    if settings.trace is not None:
+        trace_id_stream(settings.trace, _replay_ids_per_step(settings), settings.replay_steps, settings.zipf_rows)
+
+
 def workload_figures(settings: StudySettings, work_dir: Path) -> List[CachePoint]:
     """Replays the study's ids at every cache fraction and depth of ``settings``: the owner's
     trace when given (``trace``: an ``[samples, tables]`` id array, e.g. a TorchRec-
     preprocessed Criteo day's ``*_sparse.npy``), else Zipf ids over tables of
     ``zipf_rows`` rows and Criteo-format generated data."""
     steps = settings.replay_steps
-    batch = settings.shape.batch_per_gpu
-    ids = max(1, int(round(batch * settings.shape.ids_per_feature)))
+    ids = _replay_ids_per_step(settings)
     if settings.trace is not None:
         sources = {"trace": trace_id_stream(settings.trace, ids, steps, settings.zipf_rows)}
     else:
@@ -344,20 +355,22 @@ def trace_id_stream(path: Path, ids_per_step: int, num_steps: int, rows: Optiona
     try:
         data = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
-        raise ValueError(f"scaling trace {str(path)!r}: not a readable .npy id array ({e})") from None
+        raise ValueError(f"--scaling-trace {str(path)!r}: not a readable .npy id array ({e})") from None
     if data.ndim != 2 or data.shape[0] < ids_per_step * 2:
-        raise ValueError(f"scaling trace {str(path)!r}: expected [samples, tables] with at least "
+        raise ValueError(f"--scaling-trace {str(path)!r}: expected [samples, tables] with at least "
                          f"{ids_per_step * 2} samples (2 steps of {ids_per_step}), got shape {tuple(data.shape)}")
+    if data.dtype.kind not in "iu":  # (a float id would be truncated into another row, silently)
+        raise ValueError(f"--scaling-trace {str(path)!r}: expected integer ids, got dtype {data.dtype}")
     steps = min(num_steps, data.shape[0] // ids_per_step)
     block = np.asarray(data[: steps * ids_per_step], dtype=np.int64)
     if (block < 0).any():
-        raise ValueError(f"scaling trace {str(path)!r}: ids must be >= 0, found {int(block.min())}")
+        raise ValueError(f"--scaling-trace {str(path)!r}: ids must be >= 0, found {int(block.min())}")
     out = []
     for f in range(block.shape[1]):
         col = block[:, f]
         n = rows if rows is not None else int(col.max()) + 1
         if int(col.max()) >= n:
-            raise ValueError(f"scaling trace {str(path)!r}: table {f} has id {int(col.max())} >= rows {n}")
+            raise ValueError(f"--scaling-trace {str(path)!r}: table {f} has id {int(col.max())} >= rows {n}")
         out.append((n, [col[t * ids_per_step:(t + 1) * ids_per_step] for t in range(steps)]))
     return out
 
