@@ -304,13 +304,13 @@ def _straggler_settings(settings: Any, args: argparse.Namespace) -> Any:
                    measure_steps=8 if args.quick else 32, rounds=1 if args.quick else 6)
 
 
-def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace, study: Any) -> Dict[str, Any]:
     """The scaling study: calibrated and validated on this run, a 1-rank run on the same link
     regime and the straggler runs, projected to GPU systems; writes projection.{json,png}.
-    Returns its summary for the bench report."""
+    ``study``: :func:`_study_settings`, checked by ``main`` before anything ran. Returns its
+    summary for the bench report."""
     from .scaling_study import write_study
 
-    study = _study_settings(args)  # (checked by main before anything ran)
     runs = [report]
     if args.world_size != 1:
         # Its link calibrated as this run's was (a cold fetch costs the same share of a
@@ -365,9 +365,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # `--json -` puts the JSON on stdout: the summary moves to stderr.
     summary = sys.stderr if args.json is not None and str(args.json) == "-" else sys.stdout
     settings = _settings(args)
+    study = None
     if args.scaling:
         try:
-            _study_settings(args)  # bad scaling inputs: one line, before anything runs
+            study = _study_settings(args)  # bad scaling inputs: one line, before anything runs
         except ValueError as e:
             _say(f"torchrec-proactive bench: {e}")
             return 2
@@ -383,7 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for f in report["timeline_files"]:
                 _say(f"wrote {f}")
         if args.scaling:
-            report["scaling"] = _scaling(settings, report, args)
+            report["scaling"] = _scaling(settings, report, args, study)
             for f in report["scaling"]["files"]:
                 _say(f"wrote {f}")
     except RankFailure as e:

@@ -89,7 +89,8 @@ class StudySettings:
 # 1. validation
 
 #: The calibration set: the (ranks, configuration) pairs whose measured steps fit the model's
-#: two free inputs (host planning seconds per requested row, host seconds per copied row).
+#: two free inputs (host planning seconds per requested row, and per copied row what a lookup
+#: waiting for its own copy pays beyond the link).
 #: Every other validated configuration is held out: other depths, the 1% cache, 2 ranks, and
 #: the skewed multi-rank straggler runs.
 CALIBRATION: Tuple[Tuple[int, str], ...] = ((1, "reactive"), (1, "depth_2"))
@@ -111,10 +112,10 @@ class Fitted:
     plan_s_per_row: float
     #: per copied row, what a lookup that waits for its copy pays beyond the link's time
     #: (``StageCosts.wait_s``; the emulated engine itself takes ``max(link, host copy)``)
-    copy_s_per_row: float
+    wait_s_per_row: float
 
     def to_dict(self) -> Dict[str, float]:
-        return {"plan_s_per_row": self.plan_s_per_row, "copy_s_per_row": self.copy_s_per_row}
+        return {"plan_s_per_row": self.plan_s_per_row, "wait_s_per_row": self.wait_s_per_row}
 
 
 def _effective_depth(run: Mapping[str, Any], config: Mapping[str, Any]) -> float:
@@ -162,7 +163,7 @@ def _validation_costs(run: Mapping[str, Any], config: Mapping[str, Any], fitted:
     plan = fitted.plan_s_per_row * config.get("rows_requested_per_step", 0.0) / world
     return StageCosts(input_a2a_s=input_a2a, forward_s=compute / 3, output_a2a_s=output_a2a,
                       backward_s=2 * compute / 3, allreduce_s=allreduce, copy_s=copy, plan_s=plan,
-                      wait_s=rows * fitted.copy_s_per_row)
+                      wait_s=rows * fitted.wait_s_per_row)
 
 
 #: What :func:`validate` reads of a bench report (kept in projection.json and the fixture, so a
@@ -196,7 +197,7 @@ def _is_calibration(run: Mapping[str, Any], config: Mapping[str, Any]) -> bool:
 
 def fit(runs: Sequence[Mapping[str, Any]]) -> Fitted:
     """Fits :class:`Fitted` on the :data:`CALIBRATION` configurations of ``runs`` only:
-    planning per requested row as their ratio of sums; the host cost per copied row by
+    planning per requested row as their ratio of sums; the wait per copied row by
     least squares of the relative step error (a grid: the model is piecewise linear)."""
     cal = [(r, c) for r, c in _validated_configs(runs) if _is_calibration(r, c)]
     if not cal:

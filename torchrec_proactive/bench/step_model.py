@@ -20,10 +20,11 @@ The copy engine moves one batch at a time (``S >= F``), and a copy that outlasts
 lengthens those very steps (a stall before each lookup; max-plus algebra of the schedule;
 the emulated link of the CPU bench is such an engine). At depth 1 the window is the step
 less ``L``: a copy that fills a step without its issue delay still stalls, which is why
-depth 2 pays where one batch's copy is about as long as a step (the skewed straggler runs). ``k`` is the *effective* depth: when the cache cannot hold
-``k + 1`` batches' rows, prefetches wait for pins and the mean lead of a batch (measured by
-:mod:`.cache_replay`) is what counts; a lead of 0 is reactive, and a mean lead between two
-depths mixes their step times in proportion (the batches that waited ran reactive).
+depth 2 pays where one batch's copy is about as long as a step (the skewed straggler runs).
+``k`` is the *effective* depth: when the cache cannot hold ``k + 1`` batches' rows,
+prefetches wait for pins and the mean lead of a batch (measured by :mod:`.cache_replay`) is
+what counts; a lead of 0 is reactive, and a mean lead between two depths mixes their step
+times in proportion (the batches that waited ran reactive).
 
 Stragglers: a synchronous step waits for the rank with the most rows to copy. Reactive pays
 the per-step maximum over ranks of their copies, depth ``k`` the maximum of ``k + 1``-step
