@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU check for a lent CUDA machine (torch with CUDA; no TorchRec/FBGEMM needed).
 
-Drives the project's own device-side store (``DeviceTieredTable``: planning, lookup and
+Drives the project's own device-side store (``TieredTable`` with its ``DevicePlanner``: planning, lookup and
 fused update on the GPU with no host synchronisation) and fetch engine (copy stream, pinned
 staging) the way the TorchRec kernel does, and reports what a GPU user cares about:
 
@@ -57,10 +57,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchrec_proactive.fetch import FetchEngine, make_transport  # noqa: E402
 from torchrec_proactive.fetch.lookahead import run_lookahead  # noqa: E402
 from torchrec_proactive.store import (  # noqa: E402
-    DeviceTieredTable,
     OptimizerConfig,
     OptimType,
     Segment,
+    TieredTable,
     plan_device_batch,
     pooled_lookup,
 )
@@ -68,6 +68,11 @@ from torchrec_proactive.store import lookup as lookup_module  # noqa: E402
 from torchrec_proactive.store.sync_detector import HostSyncError, fake_cuda  # noqa: E402
 
 DEPTHS = (0, 1, 2, 4, 8)
+
+
+def device_table(*args: Any, **kwargs: Any) -> TieredTable:
+    """A table planned on its device (what this check measures)."""
+    return TieredTable(*args, planner="device", **kwargs)
 
 
 def sync(device: torch.device) -> None:
@@ -134,7 +139,7 @@ def train(device: torch.device, init: torch.Tensor, slots: int, depth: int, batc
     rows = init.shape[0]
     third = rows // 3
     segments = [Segment(f"t{i}", i * third, third if i < 2 else rows - 2 * third) for i in range(3)]
-    table = DeviceTieredTable("t0+t1+t2", host_tensor(init.clone(), device),
+    table = device_table("t0+t1+t2", host_tensor(init.clone(), device),
                               OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05),
                               num_slots=slots, device=device, segments=segments)
     engine = FetchEngine(make_transport(device))
@@ -151,7 +156,7 @@ def train(device: torch.device, init: torch.Tensor, slots: int, depth: int, batc
     stall = getattr(engine.transport, "gpu_stall_s", engine.stats.stall_s)
     result = {"weight": table.host_weight.clone(), "state": table.host_state["momentum1"].clone(),
               "stall_ms_per_step": 1e3 * stall / len(batches), "overflow_rows": table.stats.overflow_rows,
-              "host_syncs_of_overflow": table.host_syncs}
+              "host_syncs_of_overflow": table.planner.host_syncs}
     engine.close()
     return result
 
@@ -182,7 +187,7 @@ def host_syncs(device: torch.device, quick: bool) -> Dict[str, Any]:
     if device.type == "cpu":
         errors = 0
         with fake_cuda():
-            table = DeviceTieredTable("t", torch.randn(rows, dim), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
+            table = device_table("t", torch.randn(rows, dim), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
                                       num_slots=rows // 10, device="cuda")
             for _ in range(steps):
                 ids = torch.randint(0, rows, (bags * per_bag,), device="cuda")
@@ -230,7 +235,7 @@ def bandwidth(device: torch.device, quick: bool) -> Dict[str, Any]:
         return (time.perf_counter() - t0) / reps
 
     plain = timed(lambda: dst.copy_(src, non_blocking=True))
-    table = DeviceTieredTable("bw", host, OptimizerConfig(), num_slots=fetch_rows, device=device)
+    table = device_table("bw", host, OptimizerConfig(), num_slots=fetch_rows, device=device)
     engine = FetchEngine(make_transport(device))
     g = torch.Generator().manual_seed(3)
     reps = 5
@@ -279,7 +284,7 @@ def interference(device: torch.device, quick: bool) -> Dict[str, Any]:
     matmuls()
     alone = matmuls()
     rows, dim = (2_000_000, 128) if device.type == "cuda" else (200_000, 64)
-    table = DeviceTieredTable("if", host_tensor(torch.randn(rows, dim), device), OptimizerConfig(),
+    table = device_table("if", host_tensor(torch.randn(rows, dim), device), OptimizerConfig(),
                               num_slots=rows // 2, device=device)
     engine = FetchEngine(make_transport(device))
     g = torch.Generator().manual_seed(4)
@@ -308,7 +313,7 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
         rows, slots, dim = 8_000_000, 4_000_000, 4
     else:
         rows, slots, dim = 800_000, 400_000, 8
-    table = DeviceTieredTable("plan", host_tensor(torch.zeros(rows, dim), device), OptimizerConfig(),
+    table = device_table("plan", host_tensor(torch.zeros(rows, dim), device), OptimizerConfig(),
                               num_slots=slots, device=device)
     g = torch.Generator().manual_seed(5)
     out: Dict[str, float] = {}
@@ -321,7 +326,7 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            assert table.surely_fits(n), (n, slots)  # (no overflow: see the docstring)
+            assert table.planner.surely_fits(n), (n, slots)  # (no overflow: see the docstring)
             plan = table.plan_ids(ids)
             if device.type == "cuda":
                 end.record()
@@ -333,7 +338,7 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
         # (the first plan of a size runs eagerly and the second captures its graph on CUDA)
         out[str(n)] = sorted(times[2:])[len(times[2:]) // 2]
     return {"plan_ms_per_step_by_ids": out, "store_rows": rows, "cache_slots": slots,
-            "plan_graph_captures": table.graphs.captures, "plan_graph_replays": table.graphs.replays}
+            "plan_graph_captures": table.planner.graphs.captures, "plan_graph_replays": table.planner.graphs.replays}
 
 
 def plan_costs(device: torch.device, quick: bool) -> Dict[str, Any]:
@@ -351,7 +356,7 @@ def plan_costs(device: torch.device, quick: bool) -> Dict[str, Any]:
         counter = CostCounter()
         with fake_cuda() as guard:
             with guard.setup():
-                table = DeviceTieredTable("costs", torch.empty(rows, dim),
+                table = device_table("costs", torch.empty(rows, dim),
                                           OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD), num_slots=slots,
                                           device="cuda", segments=[Segment("a", 0, rows // 2),
                                                                    Segment("b", rows // 2, rows - rows // 2)])
@@ -388,7 +393,7 @@ def per_table_bounds(device: torch.device, quick: bool) -> Dict[str, Any]:
     from torchrec_proactive.store.row_space import device_store_rows
     import numpy as np
 
-    table = DeviceTieredTable("A+B", host_tensor(torch.zeros(300, 8), device), OptimizerConfig(), num_slots=300,
+    table = device_table("A+B", host_tensor(torch.zeros(300, 8), device), OptimizerConfig(), num_slots=300,
                               device=device, segments=[Segment("A", 0, 100), Segment("B", 100, 200)])
     starts = np.array([0, 100], dtype=np.int64)
     values = torch.tensor([150, 3, 5, 199], device=device)
@@ -399,10 +404,10 @@ def per_table_bounds(device: torch.device, quick: bool) -> Dict[str, Any]:
     table.release(tb.plan)
     # Polls never wait: on CUDA the first one queues the count's read-back and a later one,
     # once that copy has passed its event, returns it; on CPU the first one has it.
-    counted = table.bad_ids.poll()
+    counted = table.planner.bad_ids.poll()
     for _ in range(2):
         sync(device)
-        counted += table.bad_ids.poll()
+        counted += table.planner.bad_ids.poll()
     return {"bad_ids_counted": counted, "per_table_bounds_ok": counted == 1}
 
 

@@ -104,7 +104,7 @@ def soak_rank(rank: int, world_size: int, steps: int, depth: int, load_factor: f
     ebc.check_invariants(expect_drained=True)
     stats = pipe.stats()
     soak_s = time.perf_counter() - t0
-    pins = sum(int(t.pins.sum()) for t in ebc.named_tables().values())
+    pins = sum(t.pinned_slots() for t in ebc.named_tables().values())
     leftovers = {"engine_in_flight": ebc.fetch_engine.in_flight, "records": len(ebc.proactive_stats.records),
                  "unfinished": sum(not f.released for f in ebc._consumed), "pipeline_batches": len(pipe.batches)}
     ours = params(dmp)

@@ -261,7 +261,7 @@ def leaked_pins(rank: int, world_size: int) -> Dict[str, Any]:
         loss, _ = dmp(b)
         del loss
     out["in_flight_after_peeks"] = store.in_flight  # (releases what the dropped graphs left)
-    out["pins_after_peeks"] = int(store.pins.sum())
+    out["pins_after_peeks"] = int(store.planner.pins.sum())
     out["slots"] = store.num_slots
     snapshot = copy.deepcopy(dmp.state_dict())
     dmp.load_state_dict(copy.deepcopy(snapshot))  # used to refuse: "batch(es) are in flight"

@@ -105,16 +105,16 @@ def test_the_first_plan_of_a_shape_is_eager_and_checked_later_ones_replay():
     or a captured graph would replay stale ones: the check catches a Python counter baked
     into an argument (what the LRU clock was before it moved to the device)."""
     import torch
-    from torchrec_proactive.store import DeviceTieredTable, OptimizerConfig
+    from torchrec_proactive.store import OptimizerConfig, TieredTable
     from torchrec_proactive.store.plan_graphs import GraphReplayError
 
-    table = DeviceTieredTable("t", torch.zeros(1000, 4), OptimizerConfig(), num_slots=200)
+    table = TieredTable("t", torch.zeros(1000, 4), OptimizerConfig(), num_slots=200, planner="device")
     for step in range(3):
         table.release(table.plan_ids(torch.arange(step, 300 + step, 3)))
-    assert len(table.graphs) == 1
+    assert len(table.planner.graphs) == 1
     clock = iter(range(10**6))
-    original = table._rank
-    table._rank = lambda slots: original(slots).masked_fill(slots < 0, next(clock))  # a baked-in Python counter
+    original = table.planner._rank
+    table.planner._rank = lambda slots: original(slots).masked_fill(slots < 0, next(clock))  # a baked-in Python counter
     table.release(table.plan_ids(torch.arange(200)))  # (another shape: recorded, nothing to compare)
     with pytest.raises(GraphReplayError, match="differs from the first plan"):
         table.plan_ids(torch.arange(200))

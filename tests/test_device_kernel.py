@@ -25,7 +25,7 @@ def test_an_id_past_its_own_table_is_counted_on_the_device_and_trains_no_other_t
     kernel = device_kernel([("a", 100), ("b", 200)])
     before = kernel.store.host_weight.clone()
     planned = kernel.plan_batch(_kjt([150, 3], [5, 199]))
-    assert int(kernel.store.bad_ids.value) == 1  # counted on the device, no host read
+    assert int(kernel.store.planner.bad_ids.value) == 1  # counted on the device, no host read
     rows = planned.batch.plan.rows[: 4]
     assert 250 not in rows.tolist()  # B's row 50 is not among the planned rows
     kernel._engine.run(planned.plans)  # noqa: SLF001

@@ -14,10 +14,15 @@ import pytest
 import torch
 
 from torchrec_proactive.fetch.engine import FetchEngine, Ticket, Transport
-from torchrec_proactive.store import DeviceTieredTable, OptimizerConfig, OptimType
+from torchrec_proactive.store import OptimizerConfig, OptimType, TieredTable
 from torchrec_proactive.store.cost_counter import CostCounter
 from torchrec_proactive.store.row_moves import move_rows_
 from torchrec_proactive.store.sync_detector import HostSyncError, fake_cuda
+
+
+def device_table(*args, **kwargs) -> TieredTable:
+    """A table planned on its device (``TieredTable(planner="device")``)."""
+    return TieredTable(*args, planner="device", **kwargs)
 
 
 def test_move_rows_moves_only_the_entries_whose_guard_is_below_the_bound():
@@ -55,8 +60,8 @@ def test_the_triton_kernel_equals_the_reference():
     assert out.returncode == 0 and out.stdout.strip().endswith("equal"), out.stderr[-2000:]
 
 
-def _table(device: str, slots: int, rows: int = 1000, dim: int = 8) -> DeviceTieredTable:
-    return DeviceTieredTable("t", torch.zeros(rows, dim), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
+def _table(device: str, slots: int, rows: int = 1000, dim: int = 8) -> TieredTable:
+    return device_table("t", torch.zeros(rows, dim), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
                              num_slots=slots, device=torch.device(device))
 
 
@@ -204,10 +209,10 @@ def test_host_views_on_the_device_are_checked_by_device_type_and_shape():
         with guard.setup():
             host = torch.zeros(100, 8)
             on_device = [torch.empty(100, 8, device="cuda:0"), torch.empty(100, device="cuda:0")]
-            table = DeviceTieredTable("t", host, OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD), num_slots=10,
+            table = device_table("t", host, OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD), num_slots=10,
                                       device=torch.device("cuda"), host_on_device=on_device)
             assert table.host_on_device == on_device
             with pytest.raises(Exception, match="host_on_device must be"):
-                DeviceTieredTable("t", torch.zeros(100, 8), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
+                device_table("t", torch.zeros(100, 8), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
                                   num_slots=10, device=torch.device("cuda"),
                                   host_on_device=[torch.empty(100, 8), torch.empty(100)])

@@ -1,4 +1,4 @@
-"""The device-side store (``DeviceTieredTable``): planning with fixed-shape ops, exact for any
+"""The device-side store (``TieredTable(planner="device")``): planning with fixed-shape ops, exact for any
 cache size and depth, deterministic backward, and no host read of device data - the last
 proven on this CPU-only machine by running the training-thread path on fake CUDA tensors."""
 
@@ -12,7 +12,6 @@ import torch
 from torchrec_proactive.fetch import FetchEngine
 from torchrec_proactive.fetch.lookahead import run_lookahead
 from torchrec_proactive.store import (
-    DeviceTieredTable,
     OptimizerConfig,
     OptimType,
     Segment,
@@ -25,6 +24,11 @@ from torchrec_proactive.store import (
 from torchrec_proactive.store import lookup as lookup_module
 from torchrec_proactive.store.fixed_shape import compact, padded_unique, segment_cuts, segment_sum, sum_segments
 from torchrec_proactive.store.sync_detector import HostSyncError, fake_cuda
+
+
+def device_table(*args, **kwargs) -> TieredTable:
+    """A table planned on its device (``TieredTable(planner="device")``)."""
+    return TieredTable(*args, planner="device", **kwargs)
 
 
 # ---------------------------------------------------------------------- fixed-shape ops
@@ -76,7 +80,7 @@ def _train(table_cls, slots, depth, optim, batches, cuts=False):
     segments = [Segment("a", 0, 1000), Segment("b", 1000, ROWS - 1000)]
     table = table_cls("a+b", init.clone(), cfg, num_slots=slots, segments=segments)
     if cuts:
-        table.plans_grad_cuts = True  # (the GPU's gradient sums, on the CPU)
+        table.planner.plans_grad_cuts = True  # (the GPU's gradient sums, on the CPU)
     engine = FetchEngine()
     anchor = torch.empty(0, requires_grad=True)
     outs = []
@@ -87,8 +91,8 @@ def _train(table_cls, slots, depth, optim, batches, cuts=False):
         outs.append(out.detach())
 
     run_lookahead(table, engine, batches, depth, consume)
-    if isinstance(table, DeviceTieredTable):
-        for plan in table.flush_chunks(chunk=700):
+    if table.plans_on_device:
+        for plan in table.plan_flush(chunk=700):
             engine.run([plan])
         table.check_invariants(expect_drained=True)
     else:
@@ -103,15 +107,15 @@ def test_device_planner_is_bit_identical_to_the_host_planner_for_any_cache_and_d
     # 30 slots: smaller than one batch's rows (overflow); 400: prefetches wait; 3000: all.
     for slots in (30, 400, ROWS):
         for depth in (0, 1, 4):
-            outs, table = _train(DeviceTieredTable, slots, depth, optim, batches)
+            outs, table = _train(device_table, slots, depth, optim, batches)
             assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs)), (slots, depth)
             assert torch.equal(table.host_weight, ref.host_weight), (slots, depth)
             for k, v in ref.host_state.items():
                 assert torch.equal(table.host_state[k], v), (slots, depth, k)
             if slots == 30:
-                assert table.stats.overflow_rows > 0 and table.host_syncs > 0
+                assert table.stats.overflow_rows > 0 and table.planner.host_syncs > 0
             else:
-                assert table.stats.overflow_rows == 0 and table.host_syncs == 0
+                assert table.stats.overflow_rows == 0 and table.planner.host_syncs == 0
             if slots < ROWS:
                 assert table.stats.rows_written_back > 0
 
@@ -127,7 +131,7 @@ def test_gradients_summed_by_planned_cuts_are_bit_identical_for_any_cache_and_de
     first = None
     for slots in (30, 400, ROWS):
         for depth in (0, 2):
-            outs, table = _train(DeviceTieredTable, slots, depth, OptimType.EXACT_ROWWISE_ADAGRAD, batches, cuts=True)
+            outs, table = _train(device_table, slots, depth, OptimType.EXACT_ROWWISE_ADAGRAD, batches, cuts=True)
             assert (table.stats.overflow_rows > 0) == (slots == 30)
             if first is None:
                 first = outs, table
@@ -157,20 +161,20 @@ def test_cuts_planned_at_a_buckets_length_sum_a_batch_as_at_its_own():
 
 
 def test_a_prefetch_that_may_not_fit_waits_and_says_why():
-    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100)
+    table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100)
     first = plan_device_batch(table, torch.arange(60), torch.arange(61))
-    assert table.pinned_bound == 60 and table.surely_fits(40) and not table.surely_fits(41)
+    assert table.planner.pinned_bound == 60 and table.planner.surely_fits(40) and not table.planner.surely_fits(41)
     with pytest.raises(Exception, match=r"table 't': a batch of 41 ids may need 41 slots beside the 60"):
         plan_device_batch(table, torch.arange(100, 141), torch.arange(42), depth_hint=1)
     FetchEngine().run([first.plan])
     # Once the fetch has read the plan's sizes back, the bound is the exact unique count.
     table.release(first.plan)
-    assert table.pinned_bound == 0
+    assert table.planner.pinned_bound == 0
     table.check_invariants(expect_drained=True)
 
 
 def test_a_non_finite_gradient_skips_the_group_update_and_is_reported_later():
-    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(OptimType.ADAM), num_slots=500)
+    table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(OptimType.ADAM), num_slots=500)
     engine = FetchEngine()
     tb = plan_device_batch(table, torch.tensor([3, 5, 3]), torch.tensor([0, 2, 3]))
     engine.run([tb.plan])
@@ -181,7 +185,7 @@ def test_a_non_finite_gradient_skips_the_group_update_and_is_reported_later():
     real = slice(0, table.num_slots)
     assert torch.equal(table.cache_weight[real], before[0][real])
     assert all(torch.equal(table.cache_state[k][real], v[real]) for k, v in before[1].items())
-    assert table.poll_skipped() == 1 and table.poll_skipped() == 0  # ... reported once, later
+    assert table.planner.poll_skipped() == 1 and table.planner.poll_skipped() == 0  # ... reported once, later
     table.check_invariants(expect_drained=True)
 
 
@@ -198,14 +202,14 @@ def _steady_state_steps(table, steps=3, n=256):
         # cannot run fake CUDA tensors on a CPU-only build (it only routes the calls).
         out = lookup_module.pool_group([tb], [None])[0]
         lookup_module.update_group([tb], [None], [torch.ones_like(out)], [])
-        table.poll_skipped()
+        table.planner.poll_skipped()
 
 
 @pytest.mark.parametrize("optim", list(OptimType))
 def test_the_training_thread_never_reads_device_data(optim):
     host = torch.randn(ROWS, DIM)
     with fake_cuda() as guard:
-        table = DeviceTieredTable("t", host, OptimizerConfig(optim), num_slots=1000, device="cuda")
+        table = device_table("t", host, OptimizerConfig(optim), num_slots=1000, device="cuda")
         assert table.cache_weight.device.type == "cuda"
         _steady_state_steps(table)
     ops = set(guard.ops)
@@ -223,7 +227,7 @@ def test_the_detector_catches_a_planted_item_in_the_lookup(monkeypatch):
 
     monkeypatch.setattr(lookup_module, "_pool", reads_a_value)
     with fake_cuda():
-        table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=1000, device="cuda")
+        table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=1000, device="cuda")
         ids = torch.randint(0, ROWS, (64,), device="cuda")
         tb = plan_device_batch(table, ids, torch.arange(0, 65, device="cuda"), one_per_bag=True)
         with pytest.raises(HostSyncError, match="_local_scalar_dense"):
@@ -246,7 +250,7 @@ def test_the_host_planner_would_not_pass_the_detector():
             unique_rows(ids)
 
 
-@pytest.mark.parametrize("table_type", [TieredTable, DeviceTieredTable])
+@pytest.mark.parametrize("table_type", [TieredTable, device_table])
 def test_a_host_tier_loaded_mid_flight_is_what_the_cache_serves_next(table_type):
     """A load between two steps (batches planned and fetched, not looked up yet): refreshing
     copies every cached row - pinned ones included - from the loaded host tier."""
@@ -257,14 +261,11 @@ def test_a_host_tier_loaded_mid_flight_is_what_the_cache_serves_next(table_type)
     engine.run([planned.plan])
     table.host_weight.fill_(0.25)  # the load (the engine is idle: a load flushes first)
     table.host_state["momentum1"].fill_(3.0)
-    if isinstance(table, DeviceTieredTable):
-        for plan in table.refresh_chunks(chunk=128):
-            engine.run([plan])
-    else:
-        engine.run([table.plan_refresh()])
+    for plan in table.plan_refresh(chunk=128):
+        engine.run([plan])
     pooled = pooled_lookup_group([planned], torch.empty(0, requires_grad=True), train=False)[0]
     assert torch.equal(pooled, torch.full((2, DIM), 0.5))  # two rows of 0.25 per bag
-    slots = planned.plan.slots[: 3] if isinstance(table, DeviceTieredTable) else planned.plan.slots
+    slots = planned.plan.slots[: 3] if table.plans_on_device else planned.plan.slots
     assert bool((table.cache_state["momentum1"][slots] == 3.0).all())
     table.check_invariants(expect_drained=True)
 
@@ -298,7 +299,7 @@ def test_fp16_tables_train_the_same_on_both_planners():
     fixed-shape update rounds exactly as the host planner's does."""
     batches = _batches(steps=6)
     results = []
-    for table_type, slots, depth in ((TieredTable, ROWS, 0), (DeviceTieredTable, 400, 2), (DeviceTieredTable, 30, 1)):
+    for table_type, slots, depth in ((TieredTable, ROWS, 0), (device_table, 400, 2), (device_table, 30, 1)):
         torch.manual_seed(0)
         table = table_type("t", torch.randn(ROWS, DIM).half(), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD,
                                                                                learning_rate=0.05), num_slots=slots)
@@ -364,7 +365,7 @@ def test_no_address_absorbs_a_plans_padding_or_a_hot_rows_duplicates():
     rows = 100_000
     ids = torch.cat([torch.zeros(n * 9 // 10, dtype=torch.int64), torch.randint(0, rows, (n // 10,), generator=g)])
     ids = ids[torch.randperm(n, generator=g)]
-    table = DeviceTieredTable("t", torch.randn(rows, DIM), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
+    table = device_table("t", torch.randn(rows, DIM), OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD),
                               num_slots=25_000)
     engine = FetchEngine()
     mode = _ScatterMultiplicity()
@@ -380,7 +381,7 @@ def test_no_address_absorbs_a_plans_padding_or_a_hot_rows_duplicates():
     table.check_invariants(expect_drained=True)
 
 
-@pytest.mark.parametrize("operation", ["release", "rollback", "flush_chunks", "refresh_chunks", "invalidate"])
+@pytest.mark.parametrize("operation", ["release", "rollback", "plan_flush", "plan_refresh", "invalidate"])
 def test_every_operation_on_the_cache_checks_its_owner_stream(monkeypatch, operation):
     """The cache belongs to the stream of its first plan; releasing, rolling back, flushing,
     refreshing or invalidating it from another stream would race with that stream's kernels.
@@ -390,13 +391,13 @@ def test_every_operation_on_the_cache_checks_its_owner_stream(monkeypatch, opera
     current = {"stream": "compute"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
-    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=500)
+    table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=500)
     tb = plan_device_batch(table, torch.tensor([1, 2, 3]), torch.tensor([0, 3]))
-    table.owner_stream = "compute"  # what the first plan on a CUDA table records
-    monkeypatch.setattr(table, "device", torch.device("cuda"))  # (the check looks at the device type only)
+    table.planner.owner_stream = "compute"  # what the first plan on a CUDA table records
+    monkeypatch.setattr(table.planner, "device", torch.device("cuda"))  # (the check looks at the device type only)
     current["stream"] = "side"
     call = {"release": lambda: table.release(tb.plan), "rollback": lambda: table.rollback(tb.plan),
-            "flush_chunks": lambda: table.flush_chunks(), "refresh_chunks": lambda: table.refresh_chunks(),
+            "plan_flush": lambda: table.plan_flush(), "plan_refresh": lambda: table.plan_refresh(),
             "invalidate": lambda: table.invalidate()}[operation]
     with pytest.raises(StoreStateError, match="planned on CUDA stream side but its cache belongs to stream compute"):
         call()
@@ -408,7 +409,7 @@ def test_per_row_device_maps_cost_four_bytes_each(policy, per_row):
     (slot ids and counts fit), not int64."""
     from torchrec_proactive.store import EvictionPolicy
 
-    small, large = (DeviceTieredTable("t", torch.randn(rows, DIM), OptimizerConfig(), num_slots=500,
+    small, large = (device_table("t", torch.randn(rows, DIM), OptimizerConfig(), num_slots=500,
                                       policy=EvictionPolicy.parse(policy)) for rows in (10_000, 20_000))
     assert (large.bookkeeping_bytes() - small.bookkeeping_bytes()) / 10_000 == per_row
 
@@ -419,9 +420,9 @@ def test_lfu_on_the_device_planner_is_bit_identical_too():
     batches = _batches(steps=6)
     _, ref = _train(TieredTable, ROWS, 0, OptimType.EXACT_ROWWISE_ADAGRAD, batches)
     for slots, depth in ((400, 0), (400, 2), (30, 1)):
-        lfu = lambda *a, **k: DeviceTieredTable(*a, policy=EvictionPolicy.LFU, **k)  # noqa: E731
+        lfu = lambda *a, **k: device_table(*a, policy=EvictionPolicy.LFU, **k)  # noqa: E731
         _, table = _train(lfu, slots, depth, OptimType.EXACT_ROWWISE_ADAGRAD, batches)
-        assert table.d_row_freq is not None and int(table.d_row_freq.sum()) > 0
+        assert table.planner.d_row_freq is not None and int(table.planner.d_row_freq.sum()) > 0
         assert torch.equal(table.host_weight, ref.host_weight), (slots, depth)
 
 
@@ -456,17 +457,17 @@ def test_overflow_rows_are_updated_on_the_tables_device_not_in_the_host_tier(mon
     """An overflowing batch's rows live in the host tier; their update must run with the
     device's arithmetic (gathered rows, updated by the cache's own ops, written back), never
     in place on the host tier, whose CPU arithmetic differs on a GPU in the last bits."""
-    from torchrec_proactive.store import device_table
+    from torchrec_proactive.store import tiered_table
 
     updated = []
-    real = device_table.update_rows
+    real = tiered_table.update_rows
 
     def recording(cfg, weight, state, index, grad, step, stochastic_rows=None, **kwargs):
         updated.append(weight)
         return real(cfg, weight, state, index, grad, step, stochastic_rows, **kwargs)
 
-    monkeypatch.setattr(device_table, "update_rows", recording)
-    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(OptimType.ADAM), num_slots=30)
+    monkeypatch.setattr(tiered_table, "update_rows", recording)
+    table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(OptimType.ADAM), num_slots=30)
     engine = FetchEngine()
     tb = plan_device_batch(table, torch.arange(100), torch.arange(101), overflow=True)
     assert tb.plan.num_overflow > 0
@@ -483,12 +484,12 @@ def test_every_miss_of_a_batch_that_surely_fits_finds_a_victim_in_its_window(per
     big enough for what may be pinned; no planned row is ever left without a slot."""
     g = torch.Generator().manual_seed(1)
     hot = torch.arange(40) if permanent else None
-    table = DeviceTieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=340, hot_rows=hot)
+    table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=340, hot_rows=hot)
     engine = FetchEngine()
     in_flight = []
     for step in range(300):
         n = int(torch.randint(1, 120, (1,), generator=g))
-        if not table.surely_fits(n):
+        if not table.planner.surely_fits(n):
             table.release(in_flight.pop(0))
             continue
         ids = torch.randint(0, ROWS, (n,), generator=g)

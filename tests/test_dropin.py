@@ -304,7 +304,7 @@ def test_9e_decreasing_offsets_are_refused_without_leaking_a_pin():
     with pytest.raises(InvalidInputError):
         plan_table_batch(table, torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3]))
     table.check_invariants(expect_drained=True)
-    assert int(table.pins.sum()) == 0
+    assert int(table.planner.pins.sum()) == 0
 
 
 @pytest.mark.parametrize("rows", [[3, 3], [5, 2], [4, 4, 1]], ids=["duplicate", "unsorted", "both"])
@@ -316,10 +316,10 @@ def test_9g_plan_refuses_or_handles_rows_that_break_its_contract(rows):
         table.check_invariants(expect_drained=True)
         return
     table.check_invariants()
-    assert int(table.pins.sum()) == len(set(rows)), "pins must count each distinct row once"
+    assert int(table.planner.pins.sum()) == len(set(rows)), "pins must count each distinct row once"
     table.transfer(plan)
     for r in set(rows):
-        s = int(table.row_to_slot[r])
+        s = int(table.planner.row_to_slot[r])
         assert s >= 0 and torch.equal(table.cache_weight[s], table.host_weight[r])
     table.release(plan)
     table.check_invariants(expect_drained=True)

@@ -67,7 +67,7 @@ def test_any_cache_size_and_depth_is_exact_vs_stock(name):
 
 @pytest.mark.parametrize("name,one_id_per_bag,weighted", [("mixed_with_dp", False, True), ("row_wise", True, False)])
 def test_the_device_planner_is_exact_vs_stock_through_torchrec(name, one_id_per_bag, weighted):
-    """The planner CUDA uses (fixed-shape, on the device: DeviceTieredTable), run on CPU through
+    """The planner CUDA uses (fixed-shape, on the device: TieredTable(planner="device")), run on CPU through
     TorchRec's sharding on 2 ranks: bit-identical across depths and caches, stock's numbers."""
     depths, caches = [0, 2, 8], [0.005, 0.1, 1.0]
     results = _check_matrix(run_ranks(

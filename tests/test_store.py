@@ -237,12 +237,12 @@ def test_pins_protect_in_flight_rows_and_return_to_zero():
     table = TieredTable("t", torch.randn(50, 4), OptimizerConfig(), num_slots=6)
     p1 = table.plan(torch.tensor([1, 2, 3]))
     p2 = table.plan(torch.tensor([3, 4, 5]))
-    assert int(table.pins.sum()) == 6
+    assert int(table.planner.pins.sum()) == 6
     with pytest.raises(CacheCapacityError) as err:
         table.plan(torch.tensor([7, 8]))  # only 1 unpinned slot left
     msg = str(err.value)
     assert "table 't'" in msg and "6 slots" in msg
-    assert int(table.pins.sum()) == 6, "a refused plan must not leave pins behind"
+    assert int(table.planner.pins.sum()) == 6, "a refused plan must not leave pins behind"
     table.release(p1)
     table.release(p2)
     table.release(p2)  # idempotent
@@ -370,7 +370,7 @@ def test_hot_rows_stay_resident_and_invalidate_needs_drain():
     table.host_weight[0] = 42.0  # e.g. a checkpoint loaded after the invalidation
     table.release(plan_and_move(torch.tensor([7])))
     assert set(table.resident_rows().tolist()) == {0, 1, 7}
-    assert bool((table.cache_weight[table.row_to_slot[0]] == 42.0).all())
+    assert bool((table.cache_weight[table.planner.row_to_slot[0]] == 42.0).all())
 
 
 def test_foreign_ticket_is_an_error():
@@ -466,7 +466,7 @@ def test_sampled_lru_keeps_the_hit_rate_of_exact_lru():
             queue.append(table.plan(rows))
             if len(queue) > 3:
                 table.release(queue.pop(0))
-        return table.stats.hit_rate(), table.ranking.hands[0]
+        return table.stats.hit_rate(), table.planner.ranking.hands[0]
 
     sampled, hand = hit_rate()
     assert hand != 0, "the victim windows never moved: the test did not sample"

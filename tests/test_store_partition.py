@@ -68,8 +68,8 @@ def test_budgets_keep_each_tables_rows_in_its_own_slots():
     assert a_resident == 10 and b_hits == 100  # B's budget held all of B's rows: A never took a slot of it
     resident = table.resident_rows()
     assert int((resident < 100).sum()) == 10
-    occupied = torch.nonzero(table.slot_to_row >= 0).flatten()
-    rows = table.slot_to_row[occupied]
+    occupied = torch.nonzero(table.planner.slot_to_row >= 0).flatten()
+    rows = table.planner.slot_to_row[occupied]
     assert bool(((rows < 100) == (occupied < 10)).all())  # A's rows in slots [0, 10), B's in [10, 110)
     assert table.stats.rows_fetched == 100 + 100 + 0
 
@@ -78,16 +78,16 @@ def test_budgets_keep_each_tables_rows_in_its_own_slots():
 def test_a_batch_too_big_for_its_tables_budget_names_the_table_and_changes_nothing(policy):
     table = _group([10, 100], policy=policy)
     held = table.plan(torch.arange(100, 150))  # B: 50 of its 100 slots pinned
-    hands = list(table.ranking.hands)
-    before = (table.row_to_slot.clone(), table.slot_to_row.clone(), table.pins.clone())
+    hands = list(table.planner.ranking.hands)
+    before = (table.planner.row_to_slot.clone(), table.planner.slot_to_row.clone(), table.planner.pins.clone())
     rows = torch.cat([torch.arange(0, 20), torch.arange(150, 160)])  # A: 20 rows > 10 slots
     with pytest.raises(CacheCapacityError) as info:
         table.plan(rows, depth_hint=1)
     msg = str(info.value)
     assert "table 'A'" in msg and "10 slots" in msg and "misses 20 rows" in msg, msg
     assert "'B'" not in msg, msg
-    assert table.ranking.hands == hands
-    assert all(torch.equal(a, b) for a, b in zip(before, (table.row_to_slot, table.slot_to_row, table.pins)))
+    assert table.planner.ranking.hands == hands
+    assert all(torch.equal(a, b) for a, b in zip(before, (table.planner.row_to_slot, table.planner.slot_to_row, table.planner.pins)))
     # With overflow: A's first 10 misses take A's slots, its last 10 are served from the host
     # tier; B's rows are cached as usual.
     plan = table.plan(rows, overflow=True)
@@ -114,8 +114,8 @@ def test_pins_of_one_table_do_not_block_another():
 def test_hot_rows_go_to_their_own_tables_slots():
     table = _group([10, 100], hot_rows=torch.tensor([1, 2, 150]))
     _stream(table, [torch.tensor([1, 150, 160])])
-    assert int(table.row_to_slot[1]) < 10 and int(table.row_to_slot[2]) < 10
-    assert 10 <= int(table.row_to_slot[150]) < 110
+    assert int(table.planner.row_to_slot[1]) < 10 and int(table.planner.row_to_slot[2]) < 10
+    assert 10 <= int(table.planner.row_to_slot[150]) < 110
     with pytest.raises(CacheCapacityError, match=r"table 'A'.*10 permanently hot rows.*10 slots"):
         _group([10, 100], hot_rows=torch.arange(10))
 
@@ -133,11 +133,11 @@ def test_bad_budgets_are_refused_in_one_line():
 def test_check_invariants_finds_a_row_outside_its_tables_range():
     table = _group([10, 100])
     _stream(table, [torch.tensor([3, 120])])
-    slot = int(table.row_to_slot[120])
+    slot = int(table.planner.row_to_slot[120])
     # move B's row 120 into A's range by hand
-    table.slot_to_row[slot] = -1
-    table.slot_to_row[9] = 120
-    table.row_to_slot[120] = 9
+    table.planner.slot_to_row[slot] = -1
+    table.planner.slot_to_row[9] = 120
+    table.planner.row_to_slot[120] = 9
     with pytest.raises(StoreStateError, match=r"row 120 of table 'B' is in slot 9, outside its slots \[10, 110\)"):
         table.check_invariants()
 
@@ -146,7 +146,7 @@ def test_budgets_equal_to_the_rows_preload_every_row():
     table = _group([100, 200])
     assert table.holds_every_row
     plan = table.plan(torch.tensor([1, 150]))
-    assert plan.num_preloaded == 300 and torch.equal(table.row_to_slot[:300].long(), torch.arange(300))
+    assert plan.num_preloaded == 300 and torch.equal(table.planner.row_to_slot[:300].long(), torch.arange(300))
 
 
 def _two_table_batches(n: int, seed: int) -> List:
@@ -197,17 +197,16 @@ def test_without_budgets_a_group_store_is_unchanged():
     for segments in (None, [Segment("A", 0, 40), Segment("B", 40, ROWS - 40)]):
         table = TieredTable("t", init.clone(), cfg, num_slots=30, segments=segments)
         train_store(table, FetchEngine(), batches, 2)
-        runs.append((table.slot_to_row.clone(), table.stats.as_dict()))
+        runs.append((table.planner.slot_to_row.clone(), table.stats.as_dict()))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
     assert np.all(runs[0][0].numpy() >= 0)
 
 
 def test_the_device_planner_refuses_per_table_budgets_in_one_line():
-    from torchrec_proactive.store import DeviceTieredTable
 
     with pytest.raises(InvalidInputError, match=r"^table 'A\+B': per-table cache budgets in one store "
                                                 r"\(segment_slots=\[10, 100\]\) are planned on the host only"):
-        DeviceTieredTable(name="A+B", host_weight=torch.randn(300, 4), optimizer=OptimizerConfig(), num_slots=110,
+        TieredTable(planner="device", name="A+B", host_weight=torch.randn(300, 4), optimizer=OptimizerConfig(), num_slots=110,
                           segments=[Segment("A", 0, 100), Segment("B", 100, 200)], segment_slots=[10, 100])
 
 
@@ -272,8 +271,8 @@ def test_a_budget_as_large_as_its_table_preloads_that_table():
     table = _group([10, 200], hot_rows=torch.tensor([1]))
     plan = table.plan(torch.tensor([2, 150]))
     assert plan.num_preloaded == 201 and plan.num_fills == 202 and plan.num_hits == 1
-    assert torch.equal(table.row_to_slot[100:300].long(), torch.arange(10, 210))
-    assert int(table.row_to_slot[1]) == 0 and bool(table.permanent[0]) and not bool(table.permanent[10:].any())
+    assert torch.equal(table.planner.row_to_slot[100:300].long(), torch.arange(10, 210))
+    assert int(table.planner.row_to_slot[1]) == 0 and bool(table.planner.permanent[0]) and not bool(table.planner.permanent[10:].any())
     FetchEngine().run([plan])
     table.release(plan)
     table.check_invariants(expect_drained=True)

@@ -135,7 +135,7 @@ def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCo
 
 
 def _plans_on_device(cfg: Config) -> bool:
-    """Whether this run's tables plan on the device (``DeviceTieredTable``): on CUDA."""
+    """Whether this run's tables plan on the device (``TieredTable(planner="device")``): on CUDA."""
     return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
 
 

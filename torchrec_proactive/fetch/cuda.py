@@ -1,6 +1,6 @@
 """CUDA transport: a dedicated copy stream, reused pinned staging, events.
 
-Device plans (``DeviceTieredTable`` whose host tier the GPU addresses: FBGEMM host-mapped
+Device plans (made by a ``DevicePlanner``, for a table whose host tier the GPU addresses: FBGEMM host-mapped
 UVM) move with no host involvement: the issuing thread enqueues, on the copy stream, a
 wait for the plan's ready event, one ``move_rows_`` kernel per tensor and direction
 (write-backs, then fills; ``store/row_moves.py``: padding entries do nothing, so no size
@@ -77,7 +77,7 @@ waiting stream before the host blocks for the ticket, ``complete`` records E_wai
 E_wait1`` is how long that stream sat blocked on the copy. Pairs are read once both have
 completed (no synchronisation), summed in ``gpu_stall_ms``.
 
-Plans of a ``DeviceTieredTable`` that take this path (overflow, no host-mapped tier) hold
+Device plans that take this path (overflow, no host-mapped tier) hold
 their row lists and sizes on the device: step 4 starts by reading them back on X
 (``resolve_sizes``: the worker W blocks), then moves the same bytes. Before its first host
 read of a host tier after device moves, the worker synchronises X (those kernels write
@@ -94,7 +94,6 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..store.device_table import DeviceFetchPlan
 from ..store.row_moves import moves_on_device
 from .engine import Ticket, Transport
 
@@ -167,16 +166,15 @@ class CudaStreamTransport(Transport):
         self.device_tickets = 0  # tickets whose moves were enqueued without a host read
 
     def prepare(self, ticket: Ticket) -> None:
-        # Recorded on the stream that owns the cache (a DeviceTieredTable's planning stream),
+        # Recorded on the stream that owns the cache (a device planner's stream),
         # never merely "whatever is current": every fused update of a victim slot and the
         # plan's own bookkeeping ops precede it there.
-        owner = next((getattr(p.table, "owner_stream", None) for p in ticket.plans
-                      if getattr(p.table, "owner_stream", None) is not None), None)
+        owner = next((p.table.owner_stream for p in ticket.plans if p.table.owner_stream is not None), None)
         ticket.ready_event = (owner or torch.cuda.current_stream(self.device)).record_event()
 
     def runs_on_issue(self, ticket: Ticket) -> bool:
         return self._moves_on_device and all(
-            isinstance(p, DeviceFetchPlan) and p.overflow_rows is None and p.table.host_on_device is not None
+            p.planned_on_device and p.overflow_rows is None and p.table.host_on_device is not None
             for p in ticket.plans)
 
     def settle(self, ticket: Ticket) -> None:
@@ -190,7 +188,7 @@ class CudaStreamTransport(Transport):
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(ticket.ready_event)
             for plan in ticket.plans:
-                for t in (plan.writeback_rows, plan.writeback_slots, plan.fill_rows, plan.fill_slots, plan.counts):
+                for t in (plan.writeback_rows, plan.writeback_slots, plan.fill_rows, plan.fill_slots, plan.counts):  # type: ignore[assignment]
                     # Allocated on the owner stream and read here: not reused before X read them.
                     t.record_stream(stream)
                 plan.table.enqueue_moves(plan)
@@ -213,7 +211,7 @@ class CudaStreamTransport(Transport):
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(ticket.ready_event)
             for plan in ticket.plans:
-                if isinstance(plan, DeviceFetchPlan):
+                if plan.planned_on_device:
                     # The plan's sizes and row lists were computed on the owner stream; this
                     # stream waited for them, and this worker thread may block on them.
                     plan.resolve_sizes()
@@ -244,8 +242,8 @@ class CudaStreamTransport(Transport):
         stream.wait_event(ticket.device_event)
         after = stream.record_event(torch.cuda.Event(enable_timing=True))
         for plan in ticket.plans:
-            over = getattr(plan, "overflow_weight", None)
-            if isinstance(over, torch.Tensor) and over.device.type == "cuda":
+            over = plan._overflow_weight  # noqa: SLF001 - (staged here, or not at all: never read it in)
+            if over is not None and over.device.type == "cuda":
                 # Allocated on the copy stream, read by this one: the allocator must not hand
                 # its memory to the copy stream again before this stream's lookup has run.
                 over.record_stream(stream)
@@ -271,7 +269,7 @@ class CudaStreamTransport(Transport):
     def _chunks(self, plan: Any, slots: torch.Tensor, rows: torch.Tensor, n: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """The first ``n`` (slots on the device, rows on the host) of a plan's move list, in
         pieces of at most ``CHUNK_BYTES`` of staging; the staging is free for each piece."""
-        if isinstance(plan, DeviceFetchPlan):  # lists on the device, sizes resolved in run()
+        if plan.planned_on_device:  # lists on the device, sizes resolved in run()
             # Allocated on the owner stream, read here on the copy stream: a plan rolled back
             # or released while these copies are queued must not hand their memory back to
             # the owner stream before the copy stream has read them.
@@ -327,7 +325,7 @@ class CudaStreamTransport(Transport):
     def _stage_overflow(self, plan: Any) -> None:
         """The overflow rows of a device plan, read from the host tier for its lookup (the
         batch's own rows: bounded by its ids, never the cache)."""
-        if not isinstance(plan, DeviceFetchPlan) or not plan.num_overflow:
+        if not plan.planned_on_device or not plan.num_overflow:
             return
         rows = plan.overflow_rows.narrow(0, 0, plan.num_overflow).to("cpu")  # type: ignore[union-attr]
         host = plan.table.host_weight

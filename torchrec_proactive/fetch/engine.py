@@ -74,13 +74,12 @@ class Ticket:
     # when the transport has read them back (by the time the ticket is done).
     def sizes_known(self) -> bool:
         """Whether every plan's sizes are on the host (reading them where that is free)."""
-        return all(p.poll_sizes() for p in self.plans if hasattr(p, "poll_sizes"))
+        return all(p.poll_sizes() for p in self.plans)
 
     def resolve_sizes(self) -> None:
         """Reads every plan's sizes, waiting for them if need be (only where waiting is free)."""
         for p in self.plans:
-            if hasattr(p, "resolve_sizes"):
-                p.resolve_sizes()
+            p.resolve_sizes()
 
     @property
     def num_bytes(self) -> int:
@@ -303,12 +302,7 @@ class FetchEngine:
     def flush(self, tables: Sequence[Any]) -> None:
         """Writes every dirty cached row of ``tables`` back to their host tier, in its turn
         behind every queued ticket; afterwards the host tiers equal resident tables."""
-        plans = []
-        for t in tables:
-            if hasattr(t, "flush_chunks"):  # device tables flush in bounded chunks
-                plans += t.flush_chunks()
-            elif bool(t.dirty.any()):
-                plans.append(t.plan_flush())
+        plans = [plan for t in tables for plan in t.plan_flush()]
         for plan in plans:  # (one ticket per chunk: the staging of one is all that is held)
             self.run([plan], tag="flush")
 

@@ -40,7 +40,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine
 from ..store import (
-    DeviceTieredTable,
     EvictionPolicy,
     IdOutOfRangeError,
     InvalidInputError,
@@ -183,9 +182,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         tables = config.embedding_tables
         self._host_buffer, self._host_views = host_buffer, list(host_weights)
         # On the device (CUDA by default) a batch is planned with fixed-shape tensor ops and
-        # the training thread never reads the ids on the host (DeviceTieredTable).
+        # the training thread never reads the ids on the host (the store's DevicePlanner).
         self._on_device = options.plans_on_device(self._device)
-        store_type = DeviceTieredTable if self._on_device else TieredTable
         budgets = [_num_slots(t, options) for t in tables]
         host_weight = _group_host_tier(config, host_buffer, self._host_views)
         extra: Dict[str, Any] = {}
@@ -195,7 +193,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             # enqueues, with no host read (store/row_moves.py, fetch/cuda.py).
             extra = _host_mapped_tier(host_weight, host_buffer, host_buffer_on_device,
                                       self.optimizer_config.state_shapes(int(host_weight.shape[1])))
-        self.store = store_type(
+        self.store = TieredTable(
+            planner="device" if self._on_device else "host",
             name="+".join(dict.fromkeys(t.name for t in tables)),  # column shards of a table: once
             host_weight=host_weight,
             **extra,
@@ -396,11 +395,9 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         store.external_writes()  # (the load's own writes: applied by this call)
         if not store.in_flight:
             store.invalidate()
-        elif isinstance(store, DeviceTieredTable):
-            for plan in store.refresh_chunks():
-                self._engine.run([plan], tag="refresh")
         else:
-            self._engine.run([store.plan_refresh()], tag="refresh")
+            for plan in store.plan_refresh():  # (one ticket per chunk: bounded staging)
+                self._engine.run([plan], tag="refresh")
 
     def end_pins_awaiting_backward(self) -> None:
         """Ends the pins of the last training lookup if its backward has not come (the pin
@@ -524,7 +521,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 over = int(((plan.overflow_rows >= seg.start) & (plan.overflow_rows < seg.start + seg.num_rows)).sum())
                 who = f"table '{seg.name}' (its budget of the store of tables {self.table_names()})"
                 need, slots, rows = in_seg, hi - lo, seg.num_rows
-                held = int((store.pins[lo:hi] > 0).sum()) - (in_seg - over)
+                held = store.planner.pinned_in(lo, hi) - (in_seg - over)
             if need > slots:
                 why = f"one batch needs {need} distinct rows but the device cache has {slots} slots"
             else:
@@ -544,8 +541,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def _report_device_checks(self) -> None:
         """Raises for what the device-side checks found at earlier batches (read without a
         wait, so up to a step or so late: see ``AsyncCount``)."""
-        store: DeviceTieredTable = self.store  # type: ignore[assignment]
-        bad = store.bad_ids.poll()
+        checks = self.store.planner
+        bad = checks.bad_ids.poll()  # type: ignore[union-attr]
         if bad:
             raise IdOutOfRangeError(
                 f"tables {self.table_names()}: {bad} id(s) of a recent batch were outside their own table's rows "
@@ -553,7 +550,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"On CUDA ids are checked on the device and reported at the next batch; run with the sharder's "
                 f"planner='host' to have them named before the all-to-all"
             )
-        skipped = store.poll_skipped()
+        skipped = checks.poll_skipped()  # type: ignore[union-attr]
         if skipped:
             raise InvalidInputError(
                 f"tables {self.table_names()}: a non-finite gradient reached {skipped} recent update(s); each "
@@ -689,7 +686,7 @@ def _load_factor(table: Any, options: ProactiveOptions) -> float:
 def _per_table_budgets(tables: List[Any], options: ProactiveOptions, on_device: bool) -> bool:
     """Whether a group's store gives each table its own share of the slots (``table_budgets``).
     ``auto`` never does on the device planner, which does not partition its cache yet (an
-    explicit ``per_table`` there is refused by ``DeviceTieredTable``, in one line)."""
+    explicit ``per_table`` there is refused by ``TieredTable(planner="device")``, in one line)."""
     if len(tables) < 2 or options.table_budgets == "shared":
         return False
     if options.table_budgets == "per_table":

@@ -26,7 +26,7 @@ class ProactiveOptions:
         debug_checks: verify the store's invariants after every batch (slow; for tests).
         planner: where batches are planned: ``"host"`` (NumPy bookkeeping; cheapest per op
             at CPU batch sizes), ``"device"`` (fixed-shape tensor ops on the cache's device,
-            no host synchronisation: ``DeviceTieredTable``) or ``"auto"``: device on CUDA,
+            no host synchronisation: the store's ``DevicePlanner``) or ``"auto"``: device on CUDA,
             host on CPU.
         table_budgets: how a store serving a TorchRec group of several tables splits its
             cache: ``"per_table"`` (each table's rows only in its own share of the slots,
@@ -59,7 +59,7 @@ class ProactiveOptions:
                 raise ValueError(f"num_slots['{name}'] must be >= 1, got {n}")
 
     def plans_on_device(self, device: torch.device) -> bool:
-        """Whether tables on ``device`` plan with ``DeviceTieredTable``."""
+        """Whether tables on ``device`` plan with the ``DevicePlanner``."""
         return self.planner == "device" or (self.planner == "auto" and torch.device(device).type != "cpu")
 
     def num_slots_for(self, table: str, local_rows: int, load_factor: float) -> int:

@@ -39,7 +39,7 @@ from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine, FetchFailedError, Ticket, make_transport
-from ..store import CacheCapacityError, DeviceTieredTable, NotPrefetchedError, StoreStateError
+from ..store import CacheCapacityError, NotPrefetchedError, StoreStateError
 from .embedding_kernel import PlannedGroup, PreparedBatch, ProactiveEmbeddingBag
 from .validation import InputValidator
 from .options import ProactiveOptions
@@ -349,7 +349,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if forward_stream is not None:
             # TorchRec's PrefetchTrainPipelineSparseDist prefetches on a side stream that never
             # waits for the fused updates on the compute stream; our cache has one owner, the
-            # stream that plans, looks up and updates it (see DeviceTieredTable).
+            # stream that plans, looks up and updates it (see DevicePlanner).
             raise NotImplementedError(
                 "proactive tables are prefetched by ProactiveTrainPipeline (it plans batch N+k while batch N "
                 "communicates); TorchRec's PrefetchTrainPipelineSparseDist prefetches on another stream than "
@@ -625,7 +625,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def planners(self) -> Dict[str, str]:
         """Where each of this rank's proactive table groups plans its batches:
         ``{"t0+t1": "device" | "host"}`` (see the sharder's ``planner`` option)."""
-        return {kernel.store.name: ("device" if isinstance(kernel.store, DeviceTieredTable) else "host")
+        return {kernel.store.name: ("device" if kernel.store.plans_on_device else "host")
                 for kernel in self._proactive_kernels}
 
     def cache_sizes(self) -> Dict[str, Dict[str, Any]]:

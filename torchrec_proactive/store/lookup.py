@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InvalidInputError
-from .device_table import DeviceTieredTable, RowMapping
+from .device_planner import RowMapping
 from .fixed_shape import segment_sum, sum_segments
 from .optimizers import clip_output_gradient
 from .tiered_table import FetchPlan, TieredTable, unique_rows
@@ -88,14 +88,14 @@ def plan_table_batch(
     ``one_per_bag``: the caller knows whether every bag holds exactly one value (None: check)."""
     if not checked and values.device.type == "cpu":
         _check_bags(table.name, values, offsets)
-    if isinstance(table, DeviceTieredTable):
+    if table.plans_on_device:
         return plan_device_batch(table, values, offsets, mode, depth_hint, overflow, bool(one_per_bag))
     rows, inverse = unique_rows(values)
     return plan_unique_rows(table, rows, inverse, offsets, mode, depth_hint, overflow, one_per_bag)
 
 
 def plan_device_batch(
-    table: DeviceTieredTable,
+    table: TieredTable,
     ids: torch.Tensor,
     offsets: torch.Tensor,
     mode: str = "sum",
@@ -222,11 +222,11 @@ def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Te
         if want_psw_grad:
             grad_psw = (g * _value_rows(batch)).sum(dim=1)
         g = g * psw.unsqueeze(1)
-    num_rows = batch.plan.slots.shape[0]  # (a device plan's rows are padded: its slots are too)
-    cuts = getattr(batch.plan, "grad_cuts", None)
+    num_rows = batch.plan.n  # (a device plan's rows are padded: its slots are too)
+    cuts = batch.plan.grad_cuts
     if cuts is not None:
         # No atomics on duplicate rows (the same sums, in the same order, on every run), and
-        # no sort here: the cuts were planned with the ids (DeviceTieredTable.plan_ids).
+        # no sort here: the cuts were planned with the ids (DevicePlanner.plan_ids).
         row_grads = sum_segments(cuts, g)
     elif g.device.type == "cpu":
         # index_add_ adds in value order on CPU: deterministic, and cheaper than a sort.
@@ -298,14 +298,14 @@ def update_group(
         grads.append(row_grads)
         if w is not None:
             psw_grads.append(grad_psw)
-    if any(isinstance(b.table, DeviceTieredTable) for b in batches):
+    if any(b.table.plans_on_device for b in batches):
         # Device tables: the all-or-nothing rule without a host read. The group's update
         # is computed and kept only where every gradient is finite; a skip is counted on
-        # the device and reported at a later step (DeviceTieredTable.poll_skipped).
+        # the device and reported at a later step (DevicePlanner.poll_skipped).
         ok = _all_finite(grads)
         for batch, row_grads in zip(batches, grads):
-            batch.table.note_update(ok)  # type: ignore[attr-defined]
-            batch.table.apply_gradients(batch.plan, row_grads, checked=True, ok=ok)  # type: ignore[call-arg]
+            batch.table.planner.note_update(ok)  # type: ignore[union-attr]
+            batch.table.apply_gradients(batch.plan, row_grads, checked=True, ok=ok)
         return psw_grads
     bad = [b.table for b, rg in zip(batches, grads) if not bool(torch.isfinite(rg.sum()))]
     if bad:

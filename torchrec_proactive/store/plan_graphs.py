@@ -1,13 +1,13 @@
 """A device plan as one CUDA graph launch: how planning gets to FBGEMM's launch count.
 
-Why graphs. The device planner (``device_table.py``) is about a hundred small fixed-shape
+Why graphs. The device planner (``device_planner.py``) is about a hundred small fixed-shape
 ATen ops per group per step; on a GPU each is a kernel launch of a few microseconds of
 host time, so at 25k-250k ids a plan costs its launches, not its work (issue 30, item 3).
 FBGEMM's UVM cache does the same job in about ten kernels written for it. The ways to get
 there were: hand-written kernels (Triton or CUDA: a second implementation of every rule,
 which no CPU test here could run), ``torch.compile`` (which cannot trace through the
 store's Python bookkeeping and recompiles on every new batch size), FBGEMM's ``lru_cache_*``
-ops (a set-associative layout whose full sets force overflow, see ``device_table.py``), or
+ops (a set-associative layout whose full sets force overflow, see ``device_planner.py``), or
 *capture*: the planner's ops already have shapes that depend only on the number of ids and
 read nothing on the host (``fixed_shape.py``, proven by ``sync_detector``), which is
 exactly what a CUDA graph needs. A graph is captured once per shape and replayed as one

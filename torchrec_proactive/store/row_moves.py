@@ -7,7 +7,7 @@ Why: a device plan's move lists are padded to the batch's id count and only thei
 worker used to absorb, making the training thread wait for it in turn); a padded one would
 read or write a row per padding entry, through PCIe when one side is the host tier. Here a
 padding entry is recognised by its host row (the sentinel rows are ``>= num_rows``, see
-``device_table.py``) and does nothing: the moves of a plan are enqueued by whoever issues
+``device_planner.py``) and does nothing: the moves of a plan are enqueued by whoever issues
 them, on the copy stream, and the host never learns their sizes to move them. FBGEMM's
 ``lru_cache_populate`` reads its count on the device the same way.
 

@@ -1,4 +1,6 @@
-"""A tiered table whose planning runs on the cache's device, with no host synchronisation.
+"""The device planner: a table's residency bookkeeping on the cache's device, planned with
+no host synchronisation (``TieredTable(planner="device")``; ``host_planner.py`` is the same
+contract on the host).
 
 Why: at GPU batch sizes host planning costs more than the step it must hide behind
 (``unique`` + plan of 2M Zipf ids: ~100 ms on one core, where a DLRM step on H100s takes a
@@ -42,7 +44,7 @@ results stay bit-identical across cache sizes (``tests/test_device_store.py``), 
 costs per step are the same at 1M and 10M slots (``tests/test_device_cost.py``). A plan's
 moves need no sizes on the host (``enqueue_moves``, ``row_moves.py``); its sizes (unique
 rows, fills, write-backs) reach the host from a copy queued behind those moves, read when
-it has landed (``DeviceFetchPlan.poll_sizes``), so waiting for them costs nobody.
+it has landed (``FetchPlan.poll_sizes``), so waiting for them costs nobody.
 
 Launches. The plan proper (``_plan_body``, the kernel's id mapping included) is about 115
 fixed-shape ATen ops; eagerly each would be a kernel launch, ~1 ms of host time per group
@@ -70,19 +72,19 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
-from .errors import CacheCapacityError, InvalidInputError, StoreStateError
 from .async_count import AsyncCount
+from .errors import CacheCapacityError, StoreStateError
 from .eviction import EvictionPolicy
 from .fixed_shape import SPREAD, SegmentCuts, compact, padded_unique, segment_cuts, spread
-from .optimizers import update_rows
+from .plan import FetchPlan, PlanTable
 from .plan_graphs import PAD_ID, PlanGraphs, bucket
-from .row_moves import device_alias, move_rows_
-from .tiered_table import TieredTable
+
 
 _NEVER = torch.iinfo(torch.int64).max
 
@@ -99,180 +101,36 @@ class RowMapping:
     key: Hashable
 
 
-@dataclass
-class DeviceFetchPlan:
-    """One batch's plan on a :class:`DeviceTieredTable`; every tensor lives on the device
-    and has the batch's id count ``n`` as its length (padding entry ``i``: sentinel row and
-    trash slot ``i % SPREAD``).
+class DevicePlanner:
+    """Plans a :class:`TieredTable`'s batches on its device (see the module docstring).
 
-    ``rows[:num_unique]`` are the sorted unique rows, ``inverse`` maps each id to its row,
-    ``slots[i]`` is where ``rows[i]`` is read at lookup. ``fill_*`` and ``writeback_*`` are
-    compacted: their first ``num_fills`` / ``num_writebacks`` entries are real. The sizes
-    are device tensors; the host learns them from :meth:`poll_sizes` once a copy queued
-    behind the plan's moves has landed (no wait), from :meth:`resolve_sizes` where waiting
-    is free (a drain, the fetch worker), or on the overflow path."""
-
-    table: "DeviceTieredTable"
-    n: int
-    rows: torch.Tensor
-    inverse: torch.Tensor
-    slots: torch.Tensor
-    fill_rows: torch.Tensor
-    fill_slots: torch.Tensor
-    writeback_rows: torch.Tensor
-    writeback_slots: torch.Tensor
-    counts: torch.Tensor  # [num_unique, num_fills, num_writebacks, num_overflow] (int64, device)
-    overflow_rows: Optional[torch.Tensor] = None  # compacted; only planned with overflow
-    overflow_weight: Optional[torch.Tensor] = None  # their host rows on the device, at lookup
-    # Where the backward cuts the ids' gradients (fixed_shape.segment_cuts), planned with the
-    # ids on a GPU; None where row gradients are summed otherwise (index_add_ on the CPU).
-    grad_cuts: Optional[SegmentCuts] = None
-    released: bool = False
-    stage: str = "planned"
-    preload: bool = False
-    num_preloaded: int = 0
-    # Host copies of ``counts``, once read (see poll_sizes).
-    sizes: Optional[Tuple[int, int, int, int]] = None
-    _sizes_copy: Optional[torch.Tensor] = None  # pinned, filled behind the moves (read_sizes_later)
-    _sizes_event: Any = None
-    row_bound: int = field(default=0)  # what the host counts this plan as pinning
-    optimizer_step: int = 0  # as the batch's forward advanced it (see TieredTable.count_forward)
-
-    # -- the FetchPlan protocol (lookup.py, the fetch engine, the kernel's statistics)
-    def device_slots(self) -> torch.Tensor:
-        return self.slots
-
-    @property
-    def num_overflow(self) -> int:
-        return 0 if self.overflow_rows is None else self._size(3)
-
-    @property
-    def overflow_base(self) -> int:
-        """The first slot id that means "overflow row" rather than "cache slot"."""
-        return self.table.num_slots + SPREAD
-
-    def lookup_weight(self) -> torch.Tensor:
-        return self.table.cache_weight
-
-    def resolve_sizes(self) -> Tuple[int, int, int, int]:
-        """Reads the plan's sizes on the host (blocks until its planning ran on the device:
-        call it where waiting is free, e.g. on the fetch worker)."""
-        if self.sizes is None:
-            self._take_sizes(self.counts)
-        return self.sizes  # type: ignore[return-value]
-
-    def _take_sizes(self, counts: torch.Tensor) -> None:
-        self.sizes = tuple(int(v) for v in counts.tolist())  # type: ignore[assignment]
-        self.table._sizes_known(self)  # noqa: SLF001
-
-    def read_sizes_later(self) -> None:
-        """Queues a copy of the sizes into pinned host memory on the current stream (the one
-        that ran the plan's moves) and records when it lands; :meth:`poll_sizes` reads it."""
-        if self.sizes is not None or self.counts.device.type != "cuda" or not torch.cuda.is_available():
-            return
-        self._sizes_copy = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
-        self._sizes_copy.copy_(self.counts, non_blocking=True)
-        self._sizes_event = torch.cuda.current_stream(self.counts.device).record_event()
-
-    def poll_sizes(self) -> bool:
-        """Whether the host knows the plan's sizes, reading them where that costs no wait: at
-        once off CUDA, or once the copy of :meth:`read_sizes_later` has landed."""
-        if self.sizes is not None:
-            return True
-        if self.counts.device.type == "cpu":
-            self.resolve_sizes()
-            return True
-        if self._sizes_event is None or not self._sizes_event.query():
-            return False
-        self._take_sizes(self._sizes_copy)  # type: ignore[arg-type]
-        return True
-
-    def _size(self, i: int) -> int:
-        if self.sizes is None:
-            raise StoreStateError(
-                f"table '{self.table.name}': the sizes of a device plan are known once its fetch ran"
-            )
-        return self.sizes[i]
-
-    @property
-    def num_rows(self) -> int:
-        return self._size(0)
-
-    @property
-    def num_fills(self) -> int:
-        return self._size(1)
-
-    @property
-    def num_writebacks(self) -> int:
-        return self._size(2)
-
-    @property
-    def num_hits(self) -> int:
-        return self.num_rows - (self.num_fills - self.num_preloaded) - self.num_overflow
-
-    @property
-    def bytes_to_move(self) -> int:
-        return self.table.row_bytes * (self.num_fills + self.num_writebacks)
-
-
-class DeviceTieredTable(TieredTable):
-    """:class:`TieredTable` with its bookkeeping and planning on ``device`` (see the module
-    docstring). Same constructor; the host maps of the base class are not used.
+    A plan's lists have the batch's padded id count ``n`` as their length (padding entry
+    ``i``: sentinel row and trash slot ``i % SPREAD``); its sizes stay on the device
+    (``FetchPlan.counts``) until a copy behind its moves brings them to the host.
 
     Invariants (``check_invariants``, which reads the device and is for tests):
-    ``row_to_slot``/``slot_to_row`` inverse on occupied slots; the trash slot and the
-    sentinel row bound to each other; pins never negative, zero when drained.
+    ``d_row_to_slot``/``d_slot_to_row`` inverse on occupied slots; the trash slots and the
+    sentinel rows bound to each other; pins never negative, zero when drained.
     """
 
-    def __init__(self, *args, host_on_device: Optional[Sequence[torch.Tensor]] = None,  # type: ignore[no-untyped-def]
-                 **kwargs) -> None:
-        if kwargs.get("segment_slots") is not None:
-            # Per-table budgets (``TieredTable``'s ``segment_slots``) are not planned on the
-            # device yet: its victim window and ``pinned_bound`` cover one slot range.
-            name = kwargs.get("name", args[0] if args else "?")
-            raise InvalidInputError(
-                f"table '{name}': per-table cache budgets in one store (segment_slots={list(kwargs['segment_slots'])}) "
-                f"are planned on the host only; use the sharder's planner='host', or one store per table "
-                f"(TorchRec's use_one_tbe_per_table fused param)"
-            )
-        super().__init__(*args, **kwargs)
+    on_device = True
+
+    def __init__(self, table: PlanTable) -> None:
+        self._table = weakref.ref(table)  # (the table owns its planner: no reference cycle)
+        self.name, self.device = table.name, table.device
+        S, R, dev = table.num_slots, table.num_rows, table.device
+        self.num_slots, self.num_rows, self.holds_every_row = S, R, table.holds_every_row
+        self._hot_rows = table.hot_rows
         self._num_permanent = 0 if self._hot_rows is None else int(self._hot_rows.numel())
+        self.preload_pending = True  # (as the host planner's)
         self._bounds: Dict[int, int] = {}  # id(plan) -> rows the host counts it as pinning
         self.host_syncs = 0  # overflow plans read their sizes on the host
         # Checks that run on the device count here; the host learns of them without a wait
         # (a step or so late) and reports them: updates skipped for non-finite gradients,
         # and ids outside the row space (planned as the sentinel row, never looked up).
-        self.skipped_updates = AsyncCount(self.device)
-        self.bad_ids = AsyncCount(self.device)
-        self._host_step: Optional[int] = 0
-        self.owner_stream: Optional[object] = None  # see _check_owner
-        # The host tier (weight, then each optimizer state, as ``gather_host`` orders them)
-        # as the cache's device addresses it: the tensors themselves off CUDA; on CUDA,
-        # FBGEMM host-mapped UVM views over the same bytes, given by the owner, or None
-        # (then moves go through pinned staging on the fetch worker, see fetch/cuda.py).
-        hosts = [self.host_weight, *self.host_state.values()]
-        if host_on_device is None and self.device.type != "cuda":
-            host_on_device = hosts
-        elif host_on_device is None:  # pinned host tensors are addressable as they are
-            aliases = [device_alias(t, self.device) for t in hosts]
-            host_on_device = None if any(a is None for a in aliases) else aliases
-        if host_on_device is not None:
-            host_on_device = list(host_on_device)
-            # (device types, not devices: the table's ``cuda`` and its tensors' ``cuda:0`` are one)
-            if [tuple(t.shape) for t in host_on_device] != [tuple(t.shape) for t in hosts] or any(
-                    t.device.type != self.device.type for t in host_on_device):
-                raise InvalidInputError(
-                    f"table '{self.name}': host_on_device must be the host tier's {len(hosts)} tensors "
-                    f"(weight, then {list(self.host_state)}) as {self.device} addresses them"
-                )
-        self.host_on_device: Optional[List[torch.Tensor]] = host_on_device
-
-    def _allocate_cache(self, rows: int) -> None:
-        # SPREAD more cache rows (the trash slots), so padded scatters need no mask.
-        super()._allocate_cache(rows + SPREAD)
-
-    def _allocate_bookkeeping(self) -> None:
-        S, R, dev = self.num_slots, self.num_rows, self.device
+        self.skipped_updates = AsyncCount(dev)
+        self.bad_ids = AsyncCount(dev)
+        self.owner_stream: Optional[object] = None  # see check_owner
         self.trash, self.sentinel = S, R
         # Row -> slot has an entry per store row (the largest map): int32 whenever slot ids
         # fit, half the device memory of int64 (FBGEMM's cache maps are int32 too).
@@ -284,7 +142,7 @@ class DeviceTieredTable(TieredTable):
         self.d_blocked = torch.zeros(S + SPREAD, dtype=torch.bool, device=dev)  # permanent, and trash
         self.d_last_used = torch.zeros(S + SPREAD, dtype=torch.int64, device=dev)
         self.d_row_freq = (torch.zeros(R + SPREAD, dtype=torch.int32, device=dev)  # (as the host planner's)
-                           if self.policy is EvictionPolicy.LFU else None)
+                           if table.policy is EvictionPolicy.LFU else None)
         # The LRU clock and where the next plan's victim window starts (see _window): device
         # scalars, so that a plan's kernels take the same arguments every step (plan_graphs).
         self.d_tick = torch.zeros((), dtype=torch.int64, device=dev)
@@ -293,11 +151,21 @@ class DeviceTieredTable(TieredTable):
         self._spread_buffer = torch.empty(0, dtype=torch.int64, device=dev)
         self._pad_buffers = (self._spread_buffer, self._spread_buffer)
         self._ones_buffer = torch.empty(0, dtype=torch.int64, device=dev)
-        #: Whether plans carry the backward's cuts (``DeviceFetchPlan.grad_cuts``): on GPUs,
-        #: where row gradients are summed in segments; the CPU sums them with ``index_add_``
+        #: Whether plans carry the backward's cuts (``FetchPlan.grad_cuts``): on GPUs, where
+        #: row gradients are summed in segments; the CPU sums them with ``index_add_``
         #: (deterministic there, and cheaper). Tests set it to run the GPU's sums on a CPU.
         self.plans_grad_cuts = dev.type == "cuda"
         self._bind_trash()
+
+    @property
+    def table(self) -> PlanTable:
+        return self._table()  # type: ignore[return-value]
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows the cache tensors need: a slot each, and SPREAD trash slots (so that padded
+        scatters need no mask)."""
+        return self.num_slots + SPREAD
 
     def _bind_trash(self) -> None:
         # (narrow + copy_/fill_, not item assignment: see sync_detector on fake CUDA tensors)
@@ -320,6 +188,25 @@ class DeviceTieredTable(TieredTable):
         return (self._spread_buffer.narrow(0, 0, n), self._pad_buffers[0].narrow(0, 0, n),
                 self._pad_buffers[1].narrow(0, 0, n))
 
+    def check_owner(self, claim: bool = True) -> None:
+        """One stream owns the cache and its bookkeeping: the one current at the first plan.
+        Planning, lookups, updates, releases, rollbacks, flushes, refreshes and
+        invalidations on another stream would race with it (its kernels are ordered only
+        within their stream), so they are refused. A host-side check. ``claim``: the first
+        caller becomes the owner (planning and updates); the others only check an owner."""
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if self.owner_stream is None:
+            if claim:
+                self.owner_stream = stream
+        elif stream != self.owner_stream:
+            raise StoreStateError(
+                f"table '{self.name}': planned on CUDA stream {stream} but its cache belongs to stream "
+                f"{self.owner_stream} (the stream of its first batch); plan, look up and update a proactive "
+                f"table on one stream (TrainPipelineSemiSync and PrefetchTrainPipelineSparseDist use side streams)"
+            )
+
     # ------------------------------------------------------------------ planning
     @property
     def pinned_bound(self) -> int:
@@ -331,9 +218,13 @@ class DeviceTieredTable(TieredTable):
         its ids are (so its plan needs no overflow)."""
         return self.holds_every_row or self.pinned_bound + num_ids <= self.num_slots - self._num_permanent
 
+    def plan_rows(self, rows: torch.Tensor, depth_hint: Optional[int], overflow: bool) -> FetchPlan:
+        """``plan_ids`` of host rows (unique and sorted, as ``TieredTable.plan`` takes them)."""
+        return self.plan_ids(rows.to(self.device), depth_hint, overflow)
+
     def plan_ids(self, ids: torch.Tensor, depth_hint: Optional[int] = None,
                  overflow: bool = False, check_ids: bool = True,
-                 mapping: Optional["RowMapping"] = None) -> DeviceFetchPlan:
+                 mapping: Optional[RowMapping] = None) -> FetchPlan:
         """Plans and pins the rows of ``ids`` (store rows on the device, any order, duplicates
         allowed; or, with ``mapping``, ids that ``mapping`` turns into store rows inside the
         plan). With ``check_ids``, ids outside the row space are counted in ``bad_ids`` and
@@ -347,13 +238,13 @@ class DeviceTieredTable(TieredTable):
         A steady-state plan (no overflow, no preload) is one CUDA graph launch per batch
         shape on a GPU (``plan_graphs.py``); its tensors are padded to ``bucket(len(ids))``
         entries (``plan.n``), of which the first ``len(ids)`` of ``plan.inverse`` are real."""
-        self._check_owner()
+        self.check_owner()
         num_ids = int(ids.shape[0])
         if self.surely_fits(num_ids):
             overflow = False  # nothing can overflow: plan without reading any size back
         elif not overflow:
             self._raise_wait(num_ids, depth_hint)
-        preload = self._plan_preload() if self._preload_pending else None
+        preload = self._plan_preload() if self.preload_pending else None
         tracked = not self.holds_every_row
         inputs = [ids] if mapping is None else [ids, mapping.offsets]
         # The window's size is known here (it follows the ids in flight) and rounded up to a
@@ -385,12 +276,10 @@ class DeviceTieredTable(TieredTable):
             num_preloaded = int(p_rows.shape[0])
             fill_rows, fill_slots = torch.cat([p_rows, fill_rows]), torch.cat([p_slots, fill_slots])
             counts.narrow(0, 1, 1).add_(num_preloaded)  # (counts is this plan's own tensor)
-        plan = DeviceFetchPlan(self, int(rows.shape[0]), rows, inverse.narrow(0, 0, num_ids), slots, fill_rows,
-                               fill_slots, wb_rows, wb_slots, counts, overflow_rows=overflow_rows,
-                               preload=preload is not None, num_preloaded=num_preloaded,
-                               row_bound=num_ids if tracked else 0, grad_cuts=grad_cuts)
-        self._in_flight += 1
-        self._bounds[id(plan)] = plan.row_bound
+        plan = FetchPlan(self.table, rows, slots, fill_rows, fill_slots, wb_rows, wb_slots,
+                         overflow_rows=overflow_rows, counts=counts, inverse=inverse.narrow(0, 0, num_ids),
+                         grad_cuts=grad_cuts, preload=preload is not None, num_preloaded=num_preloaded)
+        self._bounds[id(plan)] = num_ids if tracked else 0
         if overflow:
             plan.resolve_sizes()  # (the one place a plan's sizes are read where the caller waits)
             self.host_syncs += 1
@@ -478,32 +367,6 @@ class DeviceTieredTable(TieredTable):
             outs.extend(segment_cuts(inverse, n, skip=padding, piece=piece))
         return (rows, inverse, slots, fill_rows, fill_slots, wb_rows, wb_slots, counts, *outs)
 
-    def pinned_slots(self) -> int:
-        """Slots pinned now (a host read of the device: for messages on the overflow path,
-        which reads the device anyway)."""
-        if self.holds_every_row:
-            return 0
-        return int((self.d_pins.narrow(0, 0, self.num_slots) > 0).sum())
-
-    def _check_owner(self, claim: bool = True) -> None:
-        """One stream owns the cache and its bookkeeping: the one current at the first plan.
-        Planning, lookups, updates, releases, rollbacks, flushes, refreshes and
-        invalidations on another stream would race with it (its kernels are ordered only
-        within their stream), so they are refused. A host-side check. ``claim``: the first
-        caller becomes the owner (planning and updates); the others only check an owner."""
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            return
-        stream = torch.cuda.current_stream(self.device)
-        if self.owner_stream is None:
-            if claim:
-                self.owner_stream = stream
-        elif stream != self.owner_stream:
-            raise StoreStateError(
-                f"table '{self.name}': planned on CUDA stream {stream} but its cache belongs to stream "
-                f"{self.owner_stream} (the stream of its first batch); plan, look up and update a proactive "
-                f"table on one stream (TrainPipelineSemiSync and PrefetchTrainPipelineSparseDist use side streams)"
-            )
-
     def _window(self, size: int, n: int) -> torch.Tensor:
         """The ``size`` slots a plan of ``n`` ids searches for victims, from a clock hand that
         moves ``n`` slots per plan (sampled LRU/LFU, as the host planner's ``SlotRanking``;
@@ -537,7 +400,7 @@ class DeviceTieredTable(TieredTable):
     def _plan_preload(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Maps the rows resident from the start (every row of a full cache, or the hot rows);
         they move with the first plan's fills."""
-        self._preload_pending = False
+        self.preload_pending = False
         dev = self.device
         if self.holds_every_row and self.num_rows:
             rows = torch.arange(self.num_rows, dtype=torch.int64, device=dev)
@@ -557,85 +420,32 @@ class DeviceTieredTable(TieredTable):
     def _raise_wait(self, n: int, depth: Optional[int]) -> None:
         free = self.num_slots - self._num_permanent
         msg = (f"table '{self.name}': a batch of {n} ids may need {n} slots beside the {self.pinned_bound} "
-               f"that {self._in_flight} in-flight batch(es) may pin, and the device cache has {free} evictable slots")
+               f"that {self.table.in_flight} in-flight batch(es) may pin, and the device cache has {free} evictable slots")
         if depth is not None:
             msg += f" (prefetch_depth={depth}: about {(depth + 1) * n} slots avoid waiting)"
         raise CacheCapacityError(msg)
 
-    def _sizes_known(self, plan: DeviceFetchPlan) -> None:
+    def sizes_known(self, plan: FetchPlan) -> None:
+        """A plan's sizes reached the host: it pins its unique rows, no longer its id count."""
         if id(plan) in self._bounds and not plan.released:
-            plan.row_bound = plan.sizes[0] if not self.holds_every_row else 0  # type: ignore[index]
-            self._bounds[id(plan)] = plan.row_bound
-        st = self.stats
-        st.lookups_rows += plan.num_rows
-        st.hits += plan.num_hits
-        st.rows_fetched += plan.num_fills - plan.num_preloaded
-        st.rows_written_back += plan.num_writebacks
-        st.bytes_moved += plan.bytes_to_move
-        st.overflow_rows += plan.num_overflow
+            self._bounds[id(plan)] = plan.sizes[0] if not self.holds_every_row else 0  # type: ignore[index]
 
-    # ------------------------------------------------------------------ data moves
-    @torch.no_grad()
-    def enqueue_moves(self, plan: DeviceFetchPlan) -> None:
-        """The plan's write-backs, then its fills, as ``move_rows_`` ops on the current
-        stream: one per tensor and direction, at the plan's padded length, their padding
-        entries (sentinel rows) doing nothing. Reads nothing on the host, so whoever issues
-        the plan enqueues its moves and goes on (see fetch/cuda.py). Needs
-        ``host_on_device``; a plan planned with overflow goes through :meth:`transfer`."""
-        if self.host_on_device is None:
-            raise StoreStateError(f"table '{self.name}': its host tier is not addressable from {self.device}")
-        caches = [self.cache_weight, *self.cache_state.values()]
-        R = self.num_rows
-        for cache, host in zip(caches, self.host_on_device):
-            move_rows_(_as_rows(host), plan.writeback_rows, _as_rows(cache), plan.writeback_slots,
-                       plan.writeback_rows, R)
-        plan.stage = "written_back"
-        for cache, host in zip(caches, self.host_on_device):
-            move_rows_(_as_rows(cache), plan.fill_slots, _as_rows(host), plan.fill_rows, plan.fill_rows, R)
-        plan.stage = "done"
+    def replan(self, plan: FetchPlan, row_grads: torch.Tensor) -> Tuple[FetchPlan, torch.Tensor]:
+        """The plan's rows (padding included: sentinel rows, zero gradients) planned again with
+        overflow allowed (see ``TieredTable.apply_gradients``); the gradients follow each row
+        to its place in the new plan. A slow path (the overflow plan reads its sizes)."""
+        again = self.table._issue(self.plan_ids(plan.rows, None, overflow=True, check_ids=False))  # noqa: SLF001
+        # Row i of the old plan is row inverse[i] of the new one (real rows are unique; the
+        # padding's sentinel rows share one entry and carry zero gradients).
+        moved = torch.zeros((again.n, row_grads.shape[1]), dtype=row_grads.dtype, device=row_grads.device)
+        moved.index_add_(0, again.inverse, row_grads)  # type: ignore[arg-type]
+        return again, moved
 
-    @torch.no_grad()
-    def transfer(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
-        """All of a plan's moves at once, for transports that copy synchronously (CPU):
-        write back the dirty victims, then fill the missing rows (and the overflow rows'
-        lookup buffer). Only a plan with overflow reads its sizes here (the others leave
-        them to ``poll_sizes``, as on the GPU)."""
-        if plan.overflow_rows is None and self.host_on_device is not None:
-            self.enqueue_moves(plan)
-            return
-        num_unique, num_fills, num_wb, num_over = plan.resolve_sizes()
-        if num_wb:
-            self.write_back(plan.writeback_slots.narrow(0, 0, num_wb), plan.writeback_rows.narrow(0, 0, num_wb))
-        plan.stage = "written_back"
-        if num_fills:
-            rows = plan.fill_rows.narrow(0, 0, num_fills)
-            host_rows = rows.to("cpu") if rows.device.type != "cpu" else rows
-            self.fill(plan.fill_slots.narrow(0, 0, num_fills), self.gather_host(host_rows))
-        if num_over:
-            over = plan.overflow_rows.narrow(0, 0, num_over)  # type: ignore[union-attr]
-            plan.overflow_weight = self.host_weight.index_select(0, over.to("cpu")).to(self.device)
-        plan.stage = "done"
-
-    def gather_host(self, rows: torch.Tensor) -> List[torch.Tensor]:
-        """The host tier's weight and state rows ``rows`` (host indices), in that order."""
-        return [self.host_weight.index_select(0, rows)] + [v.index_select(0, rows) for v in self.host_state.values()]
-
-    def fill(self, slots: torch.Tensor, parts: List[torch.Tensor]) -> None:
-        """Writes rows (weight, then each state, as ``gather_host`` orders them) into ``slots``."""
-        for cache, part in zip([self.cache_weight, *self.cache_state.values()], parts):
-            cache.index_copy_(0, slots, part.to(cache.device, non_blocking=True))
-
-    def write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        host_rows = rows.to("cpu") if rows.device.type != "cpu" else rows
-        for cache, host in zip([self.cache_weight, *self.cache_state.values()], [self.host_weight, *self.host_state.values()]):
-            host.index_copy_(0, host_rows, cache.index_select(0, slots).to("cpu"))
-
-    def rollback(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
-        """Undoes the bookkeeping of a plan whose moves did not all happen (see the base
-        class); fixed-shape, on the device."""
-        if plan.stage == "done":
-            return
-        self._check_owner(claim=False)
+    # ------------------------------------------------------------------ after a plan
+    def rollback(self, plan: FetchPlan) -> None:
+        """Undoes the bookkeeping of a plan whose moves did not all happen (see
+        ``TieredTable.rollback``); fixed-shape, on the device."""
+        self.check_owner(claim=False)
         sentinel = self.sentinel
         _, pad_rows, pad_slots = self._pads(int(plan.fill_rows.shape[0]))
         filled = plan.fill_rows < sentinel
@@ -656,138 +466,16 @@ class DeviceTieredTable(TieredTable):
             self.d_dirty.index_fill_(0, wb_slots, True)
             self._bind_trash()
         if plan.preload:
-            self._preload_pending = True
-        plan.stage = "done"
+            self.preload_pending = True
 
-    # ------------------------------------------------------------------ backward
-    @torch.no_grad()
-    def apply_gradients(self, plan: DeviceFetchPlan, row_grads: torch.Tensor, checked: bool = False,  # type: ignore[override]
-                        ok: Optional[torch.Tensor] = None) -> None:
-        """Applies the fused optimizer to the plan's rows (all ``n`` entries: padding rows
-        have a zero gradient and live in the trash slot) and releases the plan.
-
-        ``ok`` (a 0-d device bool) skips the update without a host read when False: every
-        row keeps its value and state (the caller reports the skip later)."""
-        self._check_owner()
-        if row_grads.shape != (plan.n, self.dim):
-            raise InvalidInputError(
-                f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match ({plan.n}, {self.dim})"
-            )
-        step = plan.optimizer_step or self._advance_step()  # (FBGEMM's rule: see count_forward)
-        if plan.released:
-            plan, row_grads = self._plan_again(plan, row_grads)
-        if plan.overflow_rows is None or plan.num_overflow == 0:
-            self._masked_update(plan.slots, row_grads, step, ok, plan.rows)
-        else:  # overflow (its sizes were read when it was planned): the exact host path
-            in_cache = plan.slots < plan.overflow_base
-            cached = torch.where(in_cache, plan.slots, self._pads(plan.n)[2])
-            self._masked_update(cached, row_grads * in_cache.unsqueeze(1), step, ok, plan.rows)
-            over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)  # type: ignore[union-attr]
-            ranks = (plan.slots - plan.overflow_base).clamp(min=0)
-            order = torch.argsort(torch.where(in_cache, plan.n, ranks), stable=True).narrow(0, 0, plan.num_overflow)
-            self._update_overflow(over, row_grads.index_select(0, order), step, ok)
-        self.d_dirty.index_fill_(0, self._cached_slots(plan), True)
-        self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
-        self.stats.updates += 1
-        self.release(plan)
-
-    def _plan_again(self, plan: DeviceFetchPlan, row_grads: torch.Tensor  # type: ignore[override]
-                    ) -> Tuple[DeviceFetchPlan, torch.Tensor]:
-        """The base class's rule for an update whose pins ended before it came: the plan's
-        rows (padding included: sentinel rows, zero gradients) are planned again with
-        overflow allowed and moved in their turn; the gradients follow each row to its place
-        in the new plan. A slow path (the overflow plan reads its sizes on the host)."""
-        self._require_mover()
-        again = self.plan_ids(plan.rows, None, overflow=True, check_ids=False)
-        try:
-            self.move_now([again])  # type: ignore[misc]
-        except BaseException:
-            self.release(again)
-            raise
-        # Row i of the old plan is row inverse[i] of the new one (real rows are unique; the
-        # padding's sentinel rows share one entry and carry zero gradients).
-        moved = torch.zeros((again.n, self.dim), dtype=row_grads.dtype, device=row_grads.device)
-        moved.index_add_(0, again.inverse, row_grads)
-        self.stats.late_updates += 1
-        return again, moved
-
-    def _update_overflow(self, rows: torch.Tensor, grads: torch.Tensor, step: int,
-                         ok: Optional[torch.Tensor]) -> None:
-        """The fused update of overflow rows (held only in the host tier): gathered onto the
-        device and updated there by the same ops as the cache's rows, then written back. On
-        CUDA the host's arithmetic would differ from the device's in the last bits, so a row
-        would train differently depending on whether it overflowed: the cache size would
-        change results. (The overflow path reads its sizes on the host anyway.)"""
-        host_rows = rows.to("cpu")
-        dev = self.device
-        parts = [p.to(dev, non_blocking=True) for p in self.gather_host(host_rows)]
-        old = dict(zip(["weight", *self.host_state], parts))
-        new = {k: v.clone() for k, v in old.items()}
-        weight = new.pop("weight")
-        local = torch.arange(host_rows.shape[0], device=dev)
-        update_rows(self.optimizer, weight, new, local, grads, step, self._stochastic_rows(rows, dev))
-        new["weight"] = weight
-        for key, host in zip(["weight", *self.host_state], [self.host_weight, *self.host_state.values()]):
-            value = new[key] if ok is None else torch.where(ok, new[key], old[key])
-            host.index_copy_(0, host_rows, value.to("cpu"))
-
-    def count_forward(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
-        """The base class's rule (the step counter advances on every forward, as FBGEMM's),
-        counted on the host so that no tensor is read."""
-        plan.optimizer_step = self._advance_step()
-
-    def _advance_step(self) -> int:
-        # The step count lives on the host: reading it is no device read (and no read of a
-        # tensor at all: under the sync detector, host tensors are fake too).
-        self._host_step = self.step_count() + 1
-        self.steps.fill_(self._host_step)
-        return self._host_step
-
-    def step_count(self) -> int:
-        """Optimizer steps taken, kept on the host; re-read from ``steps`` after a load
-        (``invalidate``) or ``step = ...``."""
-        if self._host_step is None:
-            self._host_step = int(self.steps)
-        return self._host_step
-
-    @property
-    def step(self) -> int:
-        return self.step_count()
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.steps.fill_(int(value))
-        self._host_step = int(value)
-
-    def note_update(self, ok: torch.Tensor) -> None:
-        """Counts, on the device, an update skipped because ``ok`` (0-d bool) is False."""
-        self.skipped_updates.add(ok.logical_not())
-
-    def poll_skipped(self) -> int:
-        """Updates skipped for non-finite gradients that the host learnt of since the last call
-        (never waits: see ``AsyncCount``)."""
-        return self.skipped_updates.poll()
-
-    def _masked_update(self, slots: torch.Tensor, grads: torch.Tensor, step: int, ok: Optional[torch.Tensor],
-                       rows: torch.Tensor) -> None:
-        # A skipped update (``ok`` False) is computed all the same and written to the trash
-        # slots: fixed-shape, no host decision, and no copy of the rows to select from.
-        target = None if ok is None else torch.where(ok, slots, self._pads(int(slots.shape[0]))[2])
-        update_rows(self.optimizer, self.cache_weight, self.cache_state, slots, grads, step,
-                    self._stochastic_rows(rows, self.device), target=target)
-
-    def release(self, plan: DeviceFetchPlan) -> None:  # type: ignore[override]
-        """Unpins the plan's slots (idempotent; fixed-shape, on the device)."""
-        if plan.released:
-            return
-        self._check_owner(claim=False)
-        plan.released = True
+    def unpin(self, plan: FetchPlan) -> None:
+        """Unpins the plan's slots (fixed-shape, on the device)."""
+        self.check_owner(claim=False)
         self._bounds.pop(id(plan), None)
         if not self.holds_every_row:
             self.d_pins.index_add_(0, self._cached_slots(plan), self._ones(plan.n), alpha=-1)
-        self._in_flight -= 1
 
-    def _cached_slots(self, plan: DeviceFetchPlan) -> torch.Tensor:
+    def _cached_slots(self, plan: FetchPlan) -> torch.Tensor:
         """The plan's slots with its overflow entries (slots past the cache) sent to the
         trash pairs; without overflow the slots themselves (padding is in the trash already)."""
         if plan.overflow_rows is None:
@@ -801,21 +489,51 @@ class DeviceTieredTable(TieredTable):
                                            device=self.device)
         return self._ones_buffer.narrow(0, 0, n)
 
-    # ------------------------------------------------------------------ host tier
-    def flush_chunks(self, chunk: int = 65536) -> List[DeviceFetchPlan]:
+    def split_overflow(self, plan: FetchPlan, row_grads: torch.Tensor) -> Tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(slots, grads, rows)`` for the cache's update at the plan's full length (its
+        overflow entries sent to the trash with zero gradients, so the update has the shape it
+        has without overflow: the cache size never changes a result) and ``(rows, grads)`` of
+        the overflow rows, in their order (None without overflow)."""
+        if plan.overflow_rows is None or plan.num_overflow == 0:
+            return plan.slots, row_grads, plan.rows, None, None
+        in_cache = plan.slots < plan.overflow_base
+        cached = torch.where(in_cache, plan.slots, self._pads(plan.n)[2])
+        over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)
+        ranks = (plan.slots - plan.overflow_base).clamp(min=0)
+        order = torch.argsort(torch.where(in_cache, plan.n, ranks), stable=True).narrow(0, 0, plan.num_overflow)
+        return cached, row_grads * in_cache.unsqueeze(1), plan.rows, over, row_grads.index_select(0, order)
+
+    def trash_slots(self, n: int) -> torch.Tensor:
+        """Where entries of a skipped update are written (the padding pairs' trash slots)."""
+        return self._pads(n)[2]
+
+    def mark_dirty(self, plan: FetchPlan) -> None:
+        self.d_dirty.index_fill_(0, self._cached_slots(plan), True)
+        self.d_dirty.narrow(0, self.trash, SPREAD).fill_(False)
+
+    def note_update(self, ok: torch.Tensor) -> None:
+        """Counts, on the device, an update skipped because ``ok`` (0-d bool) is False."""
+        self.skipped_updates.add(ok.logical_not())
+
+    def poll_skipped(self) -> int:
+        """Updates skipped for non-finite gradients that the host learnt of since the last call
+        (never waits: see ``AsyncCount``)."""
+        return self.skipped_updates.poll()
+
+    # ------------------------------------------------------------------ the whole cache
+    def flush_plans(self, chunk: int) -> List[FetchPlan]:
         """Write-back plans of every dirty slot, ``chunk`` slots each (bounded staging), that
         leave those slots clean. Fixed-shape: a chunk with nothing dirty moves nothing."""
         return self._whole_cache_plans(chunk, fills=False)
 
-    def refresh_chunks(self, chunk: int = 65536) -> List[DeviceFetchPlan]:
-        """``plan_refresh`` of the base class in bounded chunks: fills of every occupied slot
-        from the host tier, every slot clean afterwards."""
+    def refresh_plans(self, chunk: int) -> List[FetchPlan]:
+        """Fills of every occupied slot from the host tier, ``chunk`` slots per plan; every
+        slot clean afterwards."""
         return self._whole_cache_plans(chunk, fills=True)
 
-    def _whole_cache_plans(self, chunk: int, fills: bool) -> List[DeviceFetchPlan]:
-        """One plan per ``chunk`` slots: the occupied slots filled from the host tier
-        (``fills``) or the dirty ones written back; either way every slot ends clean."""
-        self._check_owner(claim=False)
+    def _whole_cache_plans(self, chunk: int, fills: bool) -> List[FetchPlan]:
+        self.check_owner(claim=False)
         plans = []
         dev, sentinel, trash = self.device, self.sentinel, self.trash
         for start in range(0, self.num_slots, chunk):
@@ -831,31 +549,33 @@ class DeviceTieredTable(TieredTable):
             zero = torch.zeros((), dtype=torch.int64, device=dev)
             fill, write_back = (moved, none) if fills else (none, moved)
             counts = torch.stack([zero, num, zero, zero] if fills else [zero, zero, num, zero])
-            plans.append(DeviceFetchPlan(self, size, none[0], none[0], none[1], *fill, *write_back, counts,
-                                         released=True))
+            plans.append(FetchPlan(self.table, none[0], none[1], *fill, *write_back, counts=counts, released=True))
         return plans
 
-    def plan_flush(self) -> DeviceFetchPlan:  # type: ignore[override]
-        raise NotImplementedError("a device table flushes in chunks: use flush_chunks()")
-
-    def has_dirty(self) -> bool:
-        """Whether a flush is needed (a host read: for state_dict time, not the step)."""
-        return bool(self.d_dirty.any())
-
-    def invalidate(self) -> None:
-        self._check_owner(claim=False)
-        if self.in_flight:
-            raise StoreStateError(
-                f"table '{self.name}': cannot invalidate the cache while {self._in_flight} "
-                f"batch(es) are in flight; drain the pipeline first"
-            )
-        self._host_step = None  # the host tier (and ``steps``) may have been loaded
+    def clear(self) -> None:
+        """Drops every cached row (see ``TieredTable.invalidate``)."""
+        self.check_owner(claim=False)
         self.d_row_to_slot.fill_(-1)
         self.d_slot_to_row.fill_(-1)
         self.d_dirty.fill_(False)
         self.d_blocked.fill_(False)
         self._bind_trash()
-        self._preload_pending = True
+        self.preload_pending = True
+
+    # ------------------------------------------------------------------ reading the state
+    def has_dirty(self) -> bool:
+        """Whether a flush is needed (a host read: for state_dict time, not the step)."""
+        return bool(self.d_dirty.any())
+
+    def pinned_slots(self) -> int:
+        """Slots pinned now (a host read of the device: for messages on the overflow path,
+        which reads the device anyway)."""
+        if self.holds_every_row:
+            return 0
+        return int((self.d_pins.narrow(0, 0, self.num_slots) > 0).sum())
+
+    def pinned_in(self, lo: int, hi: int) -> int:
+        return int((self.d_pins.narrow(0, lo, hi - lo) > 0).sum())
 
     def resident_rows(self) -> torch.Tensor:
         s2r = self.d_slot_to_row.narrow(0, 0, self.num_slots).cpu()
@@ -867,8 +587,8 @@ class DeviceTieredTable(TieredTable):
             tensors.append(self.d_row_freq)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def check_invariants(self, expect_drained: bool = False) -> None:
-        """Reads the device bookkeeping on the host (tests and debug checks only)."""
+    def check_invariants(self, expect_drained: bool = False) -> List[str]:
+        """The breaches found (empty: none). Reads the device (tests and debug checks only)."""
         s2r = self.d_slot_to_row.cpu()
         r2s = self.d_row_to_slot.cpu().to(torch.int64)
         pins = self.d_pins.narrow(0, 0, self.num_slots).cpu()
@@ -889,12 +609,6 @@ class DeviceTieredTable(TieredTable):
             problems.append("a pin count went negative")
         if bool((dirty & (s2r[: self.num_slots] < 0)).any()):
             problems.append("an empty slot is marked dirty")
-        if expect_drained and (int(pins.sum()) != 0 or self._in_flight != 0):
-            problems.append(f"{int(pins.sum())} pins / {self._in_flight} plans left after drain")
-        if problems:
-            raise StoreStateError(f"table '{self.name}': " + "; ".join(problems))
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """A host-tier or cache tensor as ``[rows, width]`` (row-wise optimizer state is 1-D)."""
-    return t.view(t.shape[0], -1)
+        if expect_drained and int(pins.sum()) != 0:
+            problems.append(f"{int(pins.sum())} pins left after drain")
+        return problems
