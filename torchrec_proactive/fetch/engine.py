@@ -265,6 +265,12 @@ class FetchEngine:
 
     # ------------------------------------------------------------------ issue / wait
     def issue(self, plans: Sequence[FetchPlan], tag: Any = None) -> Ticket:
+        """Queues the data moves of ``plans`` (made by ``TieredTable.plan``/``plan_ids``) behind
+        every ticket issued before, and returns their ticket; ``wait(ticket)`` before the
+        batch's lookup. The order of a table's use: plan -> ``issue`` -> ``wait`` -> lookup
+        (``pooled_lookup``) -> backward (fused update, pins released) -> ``flush`` before the
+        host tier is read. A failed move rolls back the plans of its ticket and of every
+        ticket behind it."""
         if self._closed:
             raise StoreStateError("fetch engine is closed")
         self._recover()

@@ -102,7 +102,22 @@ class RowMapping:
 
 
 class DevicePlanner:
-    """Plans a :class:`TieredTable`'s batches on its device (see the module docstring).
+    """Plans a :class:`TieredTable`'s batches on its device: ``TieredTable(planner="device")``,
+    and what the sharder's ``planner="auto"`` picks on CUDA. Runs on CPU too (bit-identical to
+    the host planner), which is how it is tested without a GPU.
+
+    Keeps the bookkeeping in device tensors (``d_row_to_slot``, ``d_slot_to_row``,
+    ``d_pins``, ...) and plans with fixed-shape ops, so the training thread never reads the
+    device. What differs for a user, against the host planner:
+
+    * ids outside the table are not refused at plan time (that would be a host read): they
+      are counted in ``bad_ids`` (an ``AsyncCount``: ``bad_ids.poll()``), looked up from a
+      scratch row and train no real row; the TorchRec kernel raises for them at its next
+      batch. Skipped non-finite updates are counted in ``skipped_updates`` likewise;
+    * a prefetch waits (``CacheCapacityError``) unless it *surely* fits: the host bounds
+      the slots a batch pins by its id count until its sizes come back, so a deep prefetch
+      needs more slots than on the host planner (``surely_fits``, ``pinned_bound``);
+    * overflow (``overflow=True``) reads the plan's sizes on the host (``host_syncs``).
 
     A plan's lists have the batch's padded id count ``n`` as their length (padding entry
     ``i``: sentinel row and trash slot ``i % SPREAD``); its sizes stay on the device
@@ -419,10 +434,13 @@ class DevicePlanner:
 
     def _raise_wait(self, n: int, depth: Optional[int]) -> None:
         free = self.num_slots - self._num_permanent
-        msg = (f"table '{self.name}': a batch of {n} ids may need {n} slots beside the {self.pinned_bound} "
-               f"that {self.table.in_flight} in-flight batch(es) may pin, and the device cache has {free} evictable slots")
+        msg = (f"table '{self.name}': a batch of {n} ids may need {n} slots and {self.table.in_flight} in-flight "
+               f"batch(es) may pin up to {self.pinned_bound} more ({n + self.pinned_bound} in all), but the device "
+               f"cache has {free} slots that are not permanently hot")
         if depth is not None:
             msg += f" (prefetch_depth={depth}: about {(depth + 1) * n} slots avoid waiting)"
+        msg += (". Nothing changed: plan it again once earlier batches are released (their backward), "
+                "or with overflow=True at its own lookup (rows that do not fit are served from the host tier)")
         raise CacheCapacityError(msg)
 
     def sizes_known(self, plan: FetchPlan) -> None:

@@ -33,7 +33,14 @@ _EMPTY = np.empty(0, dtype=np.int64)  # (never written: empty)
 
 
 class HostPlanner:
-    """Plans a :class:`TieredTable`'s batches on the host (see the module docstring)."""
+    """Plans a :class:`TieredTable`'s batches on the host: ``TieredTable(planner="host")``,
+    the default, and what the sharder's ``planner="auto"`` picks on CPU.
+
+    Keeps the table's residency bookkeeping (``row_to_slot``, ``slot_to_row``, ``pins``,
+    ``dirty``, ``permanent``, the eviction ``ranking``) in host tensors with NumPy views. A
+    plan's lists are exact and its sizes known at once; ids outside the table are refused
+    at plan time (``IdOutOfRangeError``), before anything changes. The table calls it; a
+    user reads it for debugging only (more in the module docstring)."""
 
     on_device = False
     owner_stream = None  # (the host planner has no stream of its own)
@@ -265,13 +272,14 @@ class HostPlanner:
         # pinned first, so they are among them) or holding a permanently hot row.
         held = num_slots - n_free
         needed = n_miss + held
+        cache = "its budget" if part is not None and self._slot_ranges is not None else "the device cache"
         if held == 0:
-            msg = (f"{label}: this batch alone misses {n_miss} rows but the device cache has "
+            msg = (f"{label}: this batch alone misses {n_miss} rows but {cache} has "
                    f"{num_slots} slots")
         else:
             own = n_rows - n_miss  # this batch's hits: pinned before the victims were sought
             msg = (
-                f"{label}: the device cache has {num_slots} slots but {needed} rows must be "
+                f"{label}: {cache} has {num_slots} slots but {needed} rows must be "
                 f"resident at once: this batch's {n_miss} missing rows and {held} slots that cannot give way "
                 f"(pinned by {self.table.in_flight} in-flight batch(es)"
                 + (f" or by this batch's {own} cached rows" if own else "")
@@ -290,6 +298,12 @@ class HostPlanner:
                     else "no prefetch depth fits: raise the cache size (CacheParams.load_factor)"
                 )
             )
+        else:
+            msg += (f". Nothing changed: plan it again once earlier batches are released (their "
+                    f"backward), or with overflow=True to serve the {needed - num_slots} rows that do not "
+                    f"fit from the host tier (exact, on the critical path)" if held else
+                    f". Nothing changed: plan with overflow=True to serve the rows that do not fit from the "
+                    f"host tier (exact, on the critical path), or give the table at least {n_miss} slots")
         raise CacheCapacityError(msg)
 
     def sizes_known(self, plan: FetchPlan) -> None:
@@ -428,9 +442,11 @@ class HostPlanner:
 
     # ------------------------------------------------------------------ reading the state
     def has_dirty(self) -> bool:
+        """Whether some cached row holds an update the host tier lacks."""
         return bool(self._dirty.any())
 
     def pinned_slots(self) -> int:
+        """Slots pinned now by batches in flight."""
         return int(np.count_nonzero(self._pins)) if not self.holds_every_row else 0
 
     def pinned_in(self, lo: int, hi: int) -> int:
@@ -438,9 +454,11 @@ class HostPlanner:
         return int(np.count_nonzero(self._pins[lo:hi]))
 
     def resident_rows(self) -> torch.Tensor:
+        """Rows mapped to a slot now."""
         return self.slot_to_row[self.slot_to_row >= 0]
 
     def bookkeeping_bytes(self) -> int:
+        """Bytes of maps, pins, flags and eviction state."""
         tensors = [self.row_to_slot, self.slot_to_row, self.pins, self.dirty, self.permanent, self.ranking.last_used]
         if self.ranking.row_freq is not None:
             tensors.append(self.ranking.row_freq)

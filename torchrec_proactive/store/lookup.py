@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, NotPrefetchedError
 from .device_planner import RowMapping
 from .fixed_shape import segment_sum, sum_segments
 from .optimizers import clip_output_gradient
@@ -84,7 +84,8 @@ def plan_table_batch(
     """Validates a bag batch, plans its rows on ``table`` and returns the lookup recipe
     (``overflow``: see ``TieredTable.plan``). ``checked``: ``values``/``offsets`` come from a
     ``KeyedJaggedTensor`` that was already validated (non-negative lengths, integer ids),
-    so the bag checks are skipped; the store still refuses rows outside its row space.
+    so the bag checks are skipped; the host planner still refuses rows outside its row
+    space (the device planner counts them: see ``plan_device_batch``).
     ``one_per_bag``: the caller knows whether every bag holds exactly one value (None: check)."""
     if not checked and values.device.type == "cpu":
         _check_bags(table.name, values, offsets)
@@ -106,8 +107,10 @@ def plan_device_batch(
 ) -> TableBatch:
     """``plan_table_batch`` on a table that plans on its device: ``ids`` are store rows on
     the device (any order), or ids that ``mapping`` turns into store rows within the plan;
-    nothing is read on the host. ``one_per_bag`` must be given (it cannot be checked
-    without a host read); False is always correct."""
+    nothing is read on the host, so ids outside the table are counted in
+    ``table.planner.bad_ids`` rather than refused. ``one_per_bag`` cannot be checked without
+    a host read: pass True only when every bag holds exactly one id (the default, False, is
+    always correct)."""
     if mode not in ("sum", "mean"):
         raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
     plan = table.plan_ids(ids, depth_hint, overflow, mapping=mapping)
@@ -346,6 +349,13 @@ def pooled_lookup_group(
     ``anchor`` is any tensor with ``requires_grad=True``; it only connects the graph.
     """
     batches = list(batches)
+    for b in batches:
+        if b.plan.stage != "done" or b.plan.released:
+            why = "its pins have ended" if b.plan.released else "its rows were not moved yet"
+            raise NotPrefetchedError(
+                f"table '{b.table.name}': a batch was looked up but {why} (plan -> FetchEngine.issue/run -> "
+                f"wait -> lookup, once per plan)"
+            )
     weights = list(per_sample_weights) if per_sample_weights is not None else [None] * len(batches)
     if train and torch.is_grad_enabled():
         psw_inputs = [w for w in weights if w is not None]

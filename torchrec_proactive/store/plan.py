@@ -61,6 +61,10 @@ class FetchPlan:
     dirty victims. ``overflow_rows`` (planned with ``overflow=True`` only) did not fit in
     the cache: they are read from and updated in the host tier, and ``slots`` names them
     ``overflow_base + j`` so that one lookup serves both kinds.
+
+    ``stage`` says how far its data moves got: ``"planned"``, ``"written_back"`` (the dirty
+    victims are in the host tier), ``"done"`` (the fills are in, or enqueued in order on the
+    copy stream): a lookup needs ``"done"``. ``released``: its pins have ended.
     """
 
     table: PlanTable
