@@ -164,7 +164,8 @@ def test_a_prefetch_that_may_not_fit_waits_and_says_why():
     table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100)
     first = plan_device_batch(table, torch.arange(60), torch.arange(61))
     assert table.planner.pinned_bound == 60 and table.planner.surely_fits(40) and not table.planner.surely_fits(41)
-    with pytest.raises(Exception, match=r"table 't': a batch of 41 ids may need 41 slots beside the 60"):
+    with pytest.raises(Exception, match=r"table 't': a batch of 41 ids may need 41 slots and 1 in-flight batch\(es\) "
+                                        r"may pin up to 60 more \(101 in all\), but the device cache has 100 slots"):
         plan_device_batch(table, torch.arange(100, 141), torch.arange(42), depth_hint=1)
     FetchEngine().run([first.plan])
     # Once the fetch has read the plan's sizes back, the bound is the exact unique count.
