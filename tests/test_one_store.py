@@ -127,3 +127,17 @@ def test_a_batch_that_cannot_fit_says_what_to_do(planner):
     assert table.in_flight == 0
     tb = plan_table_batch(table, ids, torch.arange(0, 301, 3), overflow=True)
     assert tb.plan.num_overflow == 200
+
+
+def test_a_lone_device_batch_with_more_ids_than_slots_is_told_that_waiting_cannot_help():
+    """The device planner bounds a batch's slots by its id count (it cannot read the unique
+    count without a sync): 300 ids of 50 rows in 100 slots wait only while batches are in
+    flight; alone, the message must point at overflow=True, which then plans it exactly."""
+    from torchrec_proactive.store import CacheCapacityError, plan_table_batch
+
+    table = TieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100, planner="device")
+    ids, offsets = torch.arange(300) % 50, torch.arange(0, 301, 3)
+    with pytest.raises(CacheCapacityError, match="no batch in flight waiting cannot help: plan it with overflow=True"):
+        plan_table_batch(table, ids, offsets)
+    tb = plan_table_batch(table, ids, offsets, overflow=True)
+    assert (tb.plan.num_rows, tb.plan.num_overflow, table.planner.host_syncs) == (50, 0, 1)

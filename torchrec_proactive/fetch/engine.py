@@ -375,6 +375,7 @@ class FetchEngine:
         return self._failure is not None
 
     def close(self) -> None:
+        """Stops the worker thread (idempotent); issuing afterwards raises ``StoreStateError``."""
         if self._closed:
             return
         self._closed = True

@@ -111,9 +111,11 @@ class DevicePlanner:
     device. What differs for a user, against the host planner:
 
     * ids outside the table are not refused at plan time (that would be a host read): they
-      are counted in ``bad_ids`` (an ``AsyncCount``: ``bad_ids.poll()``), looked up from a
-      scratch row and train no real row; the TorchRec kernel raises for them at its next
-      batch. Skipped non-finite updates are counted in ``skipped_updates`` likewise;
+      are counted in ``bad_ids`` (an ``AsyncCount``: ``bad_ids.poll()``), read from a
+      scratch slot (its value is meaningless: earlier bad ids' updates land there) and
+      train no real row; the TorchRec kernel raises for them at its next batch, a store
+      driven directly must poll. Skipped non-finite updates are counted in
+      ``skipped_updates`` likewise;
     * a prefetch waits (``CacheCapacityError``) unless it *surely* fits: the host bounds
       the slots a batch pins by its id count until its sizes come back, so a deep prefetch
       needs more slots than on the host planner (``surely_fits``, ``pinned_bound``);
@@ -439,8 +441,14 @@ class DevicePlanner:
                f"cache has {free} slots that are not permanently hot")
         if depth is not None:
             msg += f" (prefetch_depth={depth}: about {(depth + 1) * n} slots avoid waiting)"
-        msg += (". Nothing changed: plan it again once earlier batches are released (their backward), "
-                "or with overflow=True at its own lookup (rows that do not fit are served from the host tier)")
+        if self.table.in_flight:
+            msg += (". Nothing changed: plan it again once earlier batches are released (their backward), "
+                    "or with overflow=True at its own lookup (rows that do not fit are served from the host tier)")
+        else:
+            # Nothing will be released: the bound is the id count, which this batch alone exceeds.
+            msg += (". Nothing changed, and with no batch in flight waiting cannot help: plan it with "
+                    "overflow=True (it reads the plan's sizes on the host, one sync; rows that do not fit, if "
+                    f"any, are served from the host tier), or give the table at least {n} slots")
         raise CacheCapacityError(msg)
 
     def sizes_known(self, plan: FetchPlan) -> None:

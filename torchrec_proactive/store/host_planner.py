@@ -291,7 +291,7 @@ class HostPlanner:
             want = (depth + 1) * n_rows
             msg += (
                 f"; with prefetch_depth={depth} about {want} slots are needed (depth + 1 batches of "
-                f"~{n_rows} rows: {load_factor_advice(want, table_rows)}). "
+                f"~{n_rows} rows: {load_factor_advice(want, table_rows)}); "
                 + (
                     f"prefetch_depth <= {fits} would fit this cache"
                     if fits >= 0

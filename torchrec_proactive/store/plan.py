@@ -158,18 +158,22 @@ class FetchPlan:
 
     @property
     def num_rows(self) -> int:
+        """The batch's distinct rows (``StoreStateError`` until the sizes reached the host)."""
         return self._size(0)
 
     @property
     def num_fills(self) -> int:
+        """Rows copied into the cache (misses, and the preload the first plan carries)."""
         return self._size(1)
 
     @property
     def num_writebacks(self) -> int:
+        """Dirty victims copied back to the host tier."""
         return self._size(2)
 
     @property
     def num_overflow(self) -> int:
+        """Rows served from the host tier because the cache could not take them."""
         return 0 if self.overflow_rows is None else self._size(3)
 
     @property
@@ -180,6 +184,7 @@ class FetchPlan:
 
     @property
     def bytes_to_move(self) -> int:
+        """Bytes of weights and optimizer state the fills and write-backs move."""
         return self.table.row_bytes * (self.num_fills + self.num_writebacks)
 
     # ------------------------------------------------------------------ lookup

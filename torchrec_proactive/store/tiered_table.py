@@ -139,6 +139,15 @@ class TieredTable:
         host_on_device: the host tier (weight, then each optimizer state) as ``device``
             addresses it, for moves the device runs itself (default: the tensors themselves
             off CUDA, pinned tensors' device views on CUDA, else None).
+
+    Attributes a user reads: ``planner`` (``HostPlanner`` or ``DevicePlanner``: the
+    bookkeeping, and the device planner's ``bad_ids`` / ``skipped_updates`` counts),
+    ``stats`` (``TableStats``), ``host_weight`` / ``host_state`` (the host tier: current
+    after a flush) and ``cache_weight`` / ``cache_state`` (the cache).
+
+    Use: ``plan`` / ``plan_ids`` (or ``lookup.plan_table_batch``) -> ``FetchEngine.issue``
+    and ``wait`` -> ``lookup.pooled_lookup`` -> backward (the fused update; pins released)
+    -> ``FetchEngine.flush`` before reading the host tier.
     """
 
     def __init__(
@@ -344,6 +353,7 @@ class TieredTable:
 
     @property
     def step(self) -> int:
+        """The optimizer step counter (settable, e.g. when a checkpoint is loaded)."""
         return self.step_count()
 
     @step.setter
