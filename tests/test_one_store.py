@@ -141,3 +141,16 @@ def test_a_lone_device_batch_with_more_ids_than_slots_is_told_that_waiting_canno
         plan_table_batch(table, ids, offsets)
     tb = plan_table_batch(table, ids, offsets, overflow=True)
     assert (tb.plan.num_rows, tb.plan.num_overflow, table.planner.host_syncs) == (50, 0, 1)
+
+
+def test_plan_ids_gives_the_same_rows_and_inverse_on_both_planners():
+    """``TieredTable.plan_ids`` (ids in any order, duplicates allowed) is one API: each id's
+    entry of ``plan.rows`` is its row whichever planner made the plan."""
+    ids = torch.tensor([7, 3, 7, 599, 0, 3])
+    for planner in ("host", "device"):
+        table = TieredTable("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100, planner=planner)
+        plan = table.plan_ids(ids)
+        assert table.in_flight == 1 and plan.resolve_sizes()[0] == 4
+        assert torch.equal(plan.rows[plan.inverse], ids), planner
+        table.release(plan)
+        assert table.in_flight == 0

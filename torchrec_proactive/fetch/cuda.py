@@ -188,7 +188,7 @@ class CudaStreamTransport(Transport):
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(ticket.ready_event)
             for plan in ticket.plans:
-                for t in (plan.writeback_rows, plan.writeback_slots, plan.fill_rows, plan.fill_slots, plan.counts):  # type: ignore[assignment]
+                for t in (plan.writeback_rows, plan.writeback_slots, plan.fill_rows, plan.fill_slots, plan.counts):
                     # Allocated on the owner stream and read here: not reused before X read them.
                     t.record_stream(stream)
                 plan.table.enqueue_moves(plan)

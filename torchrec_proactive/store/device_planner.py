@@ -82,6 +82,7 @@ from .async_count import AsyncCount
 from .errors import CacheCapacityError, StoreStateError
 from .eviction import EvictionPolicy
 from .fixed_shape import SPREAD, SegmentCuts, compact, padded_unique, segment_cuts, spread
+from .invariants import map_problems
 from .plan import FetchPlan, PlanTable
 from .plan_graphs import PAD_ID, PlanGraphs, bucket
 
@@ -460,7 +461,7 @@ class DevicePlanner:
         """The plan's rows (padding included: sentinel rows, zero gradients) planned again with
         overflow allowed (see ``TieredTable.apply_gradients``); the gradients follow each row
         to its place in the new plan. A slow path (the overflow plan reads its sizes)."""
-        again = self.table._issue(self.plan_ids(plan.rows, None, overflow=True, check_ids=False))  # noqa: SLF001
+        again = self.plan_ids(plan.rows, None, overflow=True, check_ids=False)
         # Row i of the old plan is row inverse[i] of the new one (real rows are unique; the
         # padding's sentinel rows share one entry and carry zero gradients).
         moved = torch.zeros((again.n, row_grads.shape[1]), dtype=row_grads.dtype, device=row_grads.device)
@@ -617,24 +618,10 @@ class DevicePlanner:
         """The breaches found (empty: none). Reads the device (tests and debug checks only)."""
         s2r = self.d_slot_to_row.cpu()
         r2s = self.d_row_to_slot.cpu().to(torch.int64)
-        pins = self.d_pins.narrow(0, 0, self.num_slots).cpu()
-        dirty = self.d_dirty.narrow(0, 0, self.num_slots).cpu()
-        problems = []
+        S, R = self.num_slots, self.num_rows
         j = torch.arange(SPREAD)
+        problems = map_problems(s2r[:S], r2s[:R], self.d_pins.narrow(0, 0, S).cpu(), self.d_dirty.narrow(0, 0, S).cpu(),
+                                expect_drained)
         if not (torch.equal(s2r[self.trash:], j + self.sentinel) and torch.equal(r2s[self.sentinel:], j + self.trash)):
-            problems.append("the trash slots and the sentinel rows came apart")
-        occ = torch.nonzero(s2r[: self.num_slots] >= 0).flatten()
-        rows = s2r[occ]
-        if rows.numel() != torch.unique(rows).numel():
-            problems.append("a row is mapped to two slots")
-        if not torch.equal(r2s[rows], occ):
-            problems.append("row_to_slot and slot_to_row disagree")
-        if int((r2s[: self.num_rows] >= 0).sum()) != occ.numel():
-            problems.append("row_to_slot maps rows to empty slots")
-        if bool((pins < 0).any()):
-            problems.append("a pin count went negative")
-        if bool((dirty & (s2r[: self.num_slots] < 0)).any()):
-            problems.append("an empty slot is marked dirty")
-        if expect_drained and int(pins.sum()) != 0:
-            problems.append(f"{int(pins.sum())} pins left after drain")
+            problems.insert(0, "the trash slots and the sentinel rows came apart")
         return problems

@@ -24,6 +24,7 @@ import torch
 
 from .errors import CacheCapacityError, StoreStateError
 from .eviction import SlotRanking
+from .invariants import map_problems
 from .plan import FetchPlan, PlanTable
 
 if TYPE_CHECKING:
@@ -184,13 +185,11 @@ class HostPlanner:
             fill_rows = np.concatenate([preload_rows.numpy(), fill_rows])
             victims = np.concatenate([preload_slots.numpy(), victims])
             n_miss = fill_rows.shape[0]
-        num_overflow = 0 if overflow_rows is None else overflow_rows.shape[0]
         plan = FetchPlan(self.table, rows, torch.from_numpy(slots), torch.from_numpy(fill_rows),
                          torch.from_numpy(victims), torch.from_numpy(writeback_rows),
                          torch.from_numpy(writeback_slots),
                          overflow_rows=None if overflow_rows is None else torch.from_numpy(overflow_rows),
-                         preload=bool(n_preload), num_preloaded=n_preload,
-                         sizes=(num_rows, n_miss, int(writeback_rows.shape[0]), num_overflow))
+                         preload=bool(n_preload), num_preloaded=n_preload)  # (exact lists: sizes known)
         self.table._sizes_known(plan)  # noqa: SLF001 - known at once: counted at once
         return plan
 
@@ -246,7 +245,7 @@ class HostPlanner:
         """The plan's rows planned again with overflow allowed (see
         ``TieredTable.apply_gradients``): the same rows in the same order, so the gradients
         stay as they are."""
-        return self.table._issue(self.plan_rows(plan.rows, None, overflow=True)), row_grads  # noqa: SLF001
+        return self.plan_rows(plan.rows, None, overflow=True), row_grads
 
     def _unmap_preload(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         self.row_to_slot[rows] = -1
@@ -466,19 +465,9 @@ class HostPlanner:
 
     def check_invariants(self, expect_drained: bool = False) -> List[str]:
         """The breaches found (empty: none)."""
+        problems = map_problems(self.slot_to_row, self.row_to_slot, self.pins, self.dirty, expect_drained)
         occ = torch.nonzero(self.slot_to_row >= 0).flatten()
         rows = self.slot_to_row[occ]
-        problems = []
-        if rows.numel() != torch.unique(rows).numel():
-            problems.append("a row is mapped to two slots")
-        if not torch.equal(self.row_to_slot[rows].long(), occ):
-            problems.append("row_to_slot and slot_to_row disagree")
-        if int((self.row_to_slot >= 0).sum()) != occ.numel():
-            problems.append("row_to_slot maps rows to empty slots")
-        if bool((self.pins < 0).any()):
-            problems.append("a pin count went negative")
-        if bool((self.dirty & (self.slot_to_row < 0)).any()):
-            problems.append("an empty slot is marked dirty")
         if self._slot_ranges is not None and occ.numel():
             # Partitioned: every row lives in its own segment's slot range.
             ends = torch.tensor([seg.start + seg.num_rows for seg in self.segments], dtype=torch.int64)
@@ -491,8 +480,6 @@ class HostPlanner:
                 lo, hi = self._slot_ranges[int(row_part[i])]
                 problems.append(f"row {int(rows[i])} of table '{seg.name}' is in slot {int(occ[i])}, "
                                 f"outside its slots [{lo}, {hi})")
-        if expect_drained and int(self.pins.sum()) != 0:
-            problems.append(f"{int(self.pins.sum())} pins left after drain")
         return problems
 
 

@@ -571,6 +571,7 @@ class TieredTable:
                 f"store has no fetch engine to bring them back (set move_now)"
             )
         again, row_grads = self.planner.replan(plan, row_grads)
+        self._issue(again)
         try:
             self.move_now([again])
         except BaseException:
