@@ -19,7 +19,8 @@ from torchrec_proactive.planning import build_plan, combined_optimizer, shard_mo
 
 from .sparse_model import SparseModel, make_batch, make_tables
 
-FUSED = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+FUSED = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+         "adam": EmbOptimType.ADAM}
 
 
 def _model(world_size: int, optimizer: str, sharding: str, seed: int):
@@ -101,6 +102,25 @@ def load(rank: int, world_size: int, path: str, optimizer: str, sharding: str) -
                                                  [r["param_groups"] for r in state["saved_ranks"]])
     opt.load_state_dict(optim)
     return {"whole": _whole(_state(dmp, opt)), "position": state["position"], "rng": state["rng"]}
+
+
+def save_each(rank: int, world_size: int, root: str, optimizers: List[str], sharding: str) -> Dict[str, Any]:
+    """:func:`save` once per fused optimizer, each into ``root/<optimizer>`` (one launch)."""
+    return {name: save(rank, world_size, f"{root}/{name}", name, sharding) for name in optimizers}
+
+
+def load_each(rank: int, world_size: int, paths: Dict[str, str], sharding: str) -> Dict[str, Any]:
+    """:func:`load` of each ``{optimizer: checkpoint}`` into a model sharded ``sharding``; a
+    refusal (a user error, raised on every rank alike) is returned as ``{"refused": message}``."""
+    from torchrec_proactive.app.errors import UserError
+
+    out: Dict[str, Any] = {}
+    for name, path in paths.items():
+        try:
+            out[name] = load(rank, world_size, path, name, sharding)
+        except UserError as e:
+            out[name] = {"refused": str(e)}
+    return out
 
 
 def app_run(rank: int, world_size: int, root: str, out: str, overrides: List[str]) -> Dict[str, Any]:

@@ -170,6 +170,150 @@ def test_latest_naming_a_directory_outside_is_refused_and_the_step_check_is_kept
         ckpt.manifest(elsewhere)
 
 
+# ---------------------------------------------------------------------- links
+def test_a_latest_that_is_a_link_is_refused_not_followed(made, run_dir: Path, tmp_path):
+    """LATEST is a file the save writes; a link to a file elsewhere (naming step 3, older than
+    the step 6 this LATEST named) is refused, not followed."""
+    outside = tmp_path / "latest_elsewhere"
+    outside.write_text("step_00000003")
+    latest = run_dir / "checkpoints" / "LATEST"
+    latest.unlink()
+    latest.symlink_to(outside)
+    _refused(_ckpt(run_dir).latest, "LATEST", "symbolic link", str(outside))
+
+
+def test_a_latest_link_at_the_cli_is_one_line_exit_2(made, run_dir: Path, tmp_path):
+    outside = tmp_path / "latest_elsewhere"
+    outside.write_text("step_00000003")
+    latest = run_dir / "checkpoints" / "LATEST"
+    latest.unlink()
+    latest.symlink_to(outside)
+    before = {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")}
+    run = cli("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
+              "train.resume=true")
+    assert_user_error(run, "LATEST", "symbolic link")
+    assert {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")} == before
+
+
+@pytest.mark.parametrize("latest", ["names it", "missing"])
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_linked_step_directory_is_refused_not_skipped(made, run_dir: Path, tmp_path, where: str, latest: str):
+    """step_00000006 as a link to the directory moved elsewhere (or beside it): refused in one
+    line naming it, never skipped for the older step 3."""
+    checkpoints = run_dir / "checkpoints"
+    step6 = checkpoints / "step_00000006"
+    target = tmp_path / "moved" if where == "outside" else checkpoints / "moved_step_6"
+    shutil.move(str(step6), str(target))
+    step6.symlink_to(target, target_is_directory=True)
+    if latest == "missing":
+        (checkpoints / "LATEST").unlink()
+    _refused(_ckpt(run_dir).latest, "step_00000006", "symbolic link", "step_00000003")
+
+
+def test_a_linked_checkpoints_directory_resumes_and_saves_through_the_link(made, run_dir: Path, tmp_path):
+    """checkpoints/ as a whole on another disk, linked: a legitimate set-up. The resume reads
+    through the link and the new checkpoints land behind it."""
+    disk = tmp_path / "big_disk"
+    disk.mkdir()
+    shutil.move(str(run_dir / "checkpoints"), str(disk / "checkpoints"))
+    (run_dir / "checkpoints").symlink_to(disk / "checkpoints", target_is_directory=True)
+    assert _ckpt(run_dir).latest().name == "step_00000006"
+    assert _resume_checks(made, run_dir)["position"]["step"] == 6
+    run = cli("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
+              "train.resume=true")
+    assert run.rc == 0, run
+    assert run.result()["steps"] == 8 and run.result()["resumed_from"].endswith("step_00000006"), run
+    assert (run_dir / "checkpoints").is_symlink()
+    assert (disk / "checkpoints" / "step_00000008" / "MANIFEST.json").is_file()
+    assert (disk / "checkpoints" / "LATEST").read_text() == "step_00000008"
+
+
+# ---------------------------------------------------------------------- numbers in the manifest
+INT64_MAX = 2**63 - 1
+HUGE = 10**30
+
+
+def _set_position(field: str, value: int) -> Callable[[Dict[str, Any]], None]:
+    def change(m: Dict[str, Any]) -> None:
+        for position in (m["state"]["position"], m["position"]):
+            position[field] = value
+    return change
+
+
+def _set_counter(value: int) -> Callable[[Dict[str, Any]], None]:
+    def change(m: Dict[str, Any]) -> None:
+        m["ranks"][0]["optimizer_step"] = value
+    return change
+
+
+# (change, the fragments the one line must hold: the field, the value, the limit). The made
+# run: 1 rank, train.epochs=2, train.max_steps=6, 37 steps an epoch; step 6 is epoch 0, batch 6.
+NUMBERS = {
+    "batch_in_epoch huge": (_set_position("batch_in_epoch", HUGE), ["position.batch_in_epoch", str(HUGE),
+                                                                    "position.step 6"]),
+    "batch_in_epoch within int64": (_set_position("batch_in_epoch", 10**12), ["position.batch_in_epoch",
+                                                                             str(10**12), "position.step 6"]),
+    "epoch huge": (_set_position("epoch", HUGE), ["position.epoch", str(HUGE), "train.epochs=2"]),
+    "epoch past the run's": (_set_position("epoch", 3), ["position.epoch", "3", "train.epochs=2"]),
+    "the last epoch mid-way": (lambda m: (_set_position("epoch", 2)(m), _set_position("batch_in_epoch", 6)(m)),
+                               ["position.batch_in_epoch", "train.epochs=2"]),
+    "optimizer_step huge": (_set_counter(HUGE), ["optimizer_step", str(HUGE), str(INT64_MAX)]),
+    "optimizer_step past int64": (_set_counter(INT64_MAX + 1), ["optimizer_step", str(INT64_MAX + 1),
+                                                                str(INT64_MAX)]),
+}
+
+
+@pytest.mark.parametrize("case", list(NUMBERS))
+def test_a_number_the_run_cannot_mean_is_refused_naming_the_field_and_the_limit(made, run_dir: Path, case: str):
+    change, fragments = NUMBERS[case]
+    _manifest_edit(run_dir / "checkpoints" / "step_00000006", change)
+    before = _snapshot(run_dir)
+    _refused(lambda: _resume_checks(made, run_dir), "step_00000006", *fragments)
+    assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("case", ["epoch huge", "optimizer_step huge", "batch_in_epoch within int64"])
+def test_a_number_the_run_cannot_mean_at_the_cli_is_one_line_exit_2(made, run_dir: Path, case: str):
+    """Before the check: trained "epoch 1000000000000000000000000000000", or a traceback
+    (OverflowError, StopIteration) and exit 1."""
+    change, fragments = NUMBERS[case]
+    _manifest_edit(run_dir / "checkpoints" / "step_00000006", change)
+    before = {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")}
+    run = cli("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
+              "train.resume=true")
+    assert_user_error(run, "step_00000006", *fragments)
+    assert {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")} == before
+
+
+def test_the_numbers_of_an_untouched_checkpoint_pass(made, run_dir: Path):
+    state = _resume_checks(made, run_dir)
+    assert state["position"] == {"step": 6, "epoch": 0, "batch_in_epoch": 6}
+
+
+# ---------------------------------------------------------------------- intact is not damaged
+def test_a_checkpoint_that_does_not_fit_the_model_is_not_called_damaged(made, run_dir: Path):
+    """Files that match their checksums and still do not load into the live model (here one
+    dense tensor of another shape) are not damage: no "damaged", no advice to delete it."""
+    import torch
+
+    ckpt = _ckpt(run_dir)
+    path = ckpt.latest()
+    template = ckpt._whole_tensors(path, "cpu")
+    model = template["model"]
+    key = next(k for k, v in model.items() if isinstance(v, torch.Tensor) and v.dim() == 1 and "dense" in k)
+    model[key] = torch.empty(model[key].numel() + 1)
+    message = _refused(lambda: ckpt.load(path, None, template=template), "step_00000006", "checksums")
+    assert "damaged" not in message and "delete" not in message, message
+
+
+def test_adam_tables_pass_the_launch_check_for_column_wise(made, run_dir: Path):
+    """Adam's state is per element: a column-wise resume on 2 ranks is not refused at launch
+    (the 2-rank load itself is checked in test_resume_diagnosis)."""
+    from torchrec_proactive.app.preflight import check_resume
+
+    check_resume(_cfg(made, run_dir, "sharding.type=column_wise"), world_size=2)
+
+
 # ---------------------------------------------------------------------- damaged bytes
 def test_flipped_bytes_in_a_table_record_are_refused_naming_the_file_and_the_intact_ones(made, run_dir: Path):
     step6 = run_dir / "checkpoints" / "step_00000006"

@@ -17,7 +17,14 @@ name that leaves the step directory.
 
 Damage is refused, not loaded: the manifest records every file's size and SHA-256 checksum
 (``files``) and its own (``seal``); a load verifies them all first (each rank a share of the
-files) and a mismatch is one line naming the file and the checkpoints that are intact.
+files) and a mismatch is one line naming the file and the checkpoints that are intact. The
+seal is an unkeyed checksum that anyone can recompute: it detects damage, not a deliberate
+edit (the values behind it are range-checked, :mod:`.saved_state`). A checkpoint whose files
+match and that still does not fit this run is never called damaged: a table whose row-wise
+optimizer state (row-wise Adagrad's, one value per row of each column shard) would be split
+into other column shards than saved is refused before anything loads, naming the table
+(:func:`check_column_layout`), and anything else the load trips on is named as a mismatch
+with this run's model.
 
 "Has a manifest" means "complete": a re-written step directory loses its manifest first, the
 manifest is written (``fsync``, ``os.replace``) only after DCP's collective save returned on
@@ -37,8 +44,9 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -231,6 +239,104 @@ def _gather(value: Any) -> List[Any]:
 
 def _first_line(text: str) -> str:
     return ([line for line in text.strip().splitlines() if line.strip()] or [""])[0][:160]
+
+
+# ---------------------------------------------------------------------- column splits
+Splits = Tuple[Tuple[int, int], ...]  # (first column, end) of each column shard of a 2-D table
+
+
+def column_splits(pieces: Iterable[Tuple[Sequence[int], Sequence[int]]]) -> Splits:
+    """The distinct column ranges of a 2-D tensor's shards, from each shard's (offsets, sizes)."""
+    return tuple(sorted({(int(o[1]), int(o[1]) + int(n[1])) for o, n in pieces}))
+
+
+def live_column_splits(value: Any) -> Optional[Splits]:
+    """The column ranges of a live 2-D tensor: a ``ShardedTensor``'s shards, or one whole
+    range; ``None`` for anything else."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        return None
+    metadata = getattr(value, "metadata", None)
+    if callable(metadata) and hasattr(metadata(), "shards_metadata"):
+        return column_splits((m.shard_offsets, m.shard_sizes) for m in metadata().shards_metadata)
+    return ((0, int(value.shape[1])),)
+
+
+@dataclass
+class RowWiseState:
+    """A table whose fused optimizer state is one value per row of each column shard."""
+
+    table: str
+    dim: int
+    splits: Splits  # as saved
+    states: List[str] = field(default_factory=list)  # e.g. ["momentum1"]
+
+
+def row_wise_state_tables(md: dcp_metadata.Metadata) -> Dict[str, RowWiseState]:
+    """``{model key: RowWiseState}`` for every 2-D ``model.<param>`` the checkpoint holds
+    beside a 1-D ``optimizer.state.<param>.<table>.<name>``: TorchRec's layout of row-wise
+    state (row-wise Adagrad's ``momentum1``), whose length is rows x column shards."""
+    entries = md.state_dict_metadata
+    out: Dict[str, RowWiseState] = {}
+    for key, entry in entries.items():
+        if not key.startswith("optimizer.state.") or len(getattr(entry, "size", ())) != 1:
+            continue
+        parts = key[len("optimizer.state."):].rsplit(".", 2)
+        weight = entries.get(f"model.{parts[0]}") if len(parts) == 3 else None
+        if weight is None or len(getattr(weight, "size", ())) != 2:
+            continue
+        record = out.get(f"model.{parts[0]}")
+        if record is None:
+            record = out[f"model.{parts[0]}"] = RowWiseState(
+                parts[1], int(weight.size[1]), column_splits((c.offsets, c.sizes) for c in weight.chunks))
+        record.states.append(parts[2])
+    return out
+
+
+def _describe_splits(splits: Splits, dim: int) -> str:
+    if splits == ((0, dim),):
+        return "whole (1 column shard)"
+    return f"in {len(splits)} column shards (columns {', '.join(f'{a}-{b - 1}' for a, b in splits)})"
+
+
+def check_column_layout(path: Path, manifest: Mapping[str, Any], md: dcp_metadata.Metadata,
+                        planned: Mapping[str, Optional[Splits]], planned_words: str) -> None:
+    """Raises :class:`ConfigError` when a table with row-wise optimizer state would be split
+    into other column shards than the checkpoint's (``planned``: model key -> this run's
+    column ranges; a key it lacks, or ``None``, is not known here and not checked).
+
+    Row-wise Adagrad keeps, per row of each column shard, the sum of the mean squared
+    gradient over that shard's columns, laid out by TorchRec as rows x shards. A whole-row
+    value does not hold the per-shard ones, so whole -> column shards cannot be re-laid; the
+    reverse could be approximated (the width-weighted mean of the shards' values, not what a
+    table-wise run accumulates in floating point) and is not done either. Stock TorchRec
+    fails on both (DCP's size mismatch); this names the table, the optimizer and the change."""
+    changed = [(key, record, planned[key]) for key, record in sorted(row_wise_state_tables(md).items())
+               if planned.get(key) is not None and planned[key] != record.splits]
+    if not changed:
+        return
+    _, record, now = changed[0]
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    optimizer = config.get("optimizer.embedding")
+    what = (f"row-wise Adagrad (optimizer.embedding={optimizer!r})" if optimizer == "rowwise_adagrad"
+            else f"optimizer.embedding={optimizer!r}" if isinstance(optimizer, str) else "its fused optimizer")
+    saved_type, saved_world = config.get("sharding.type"), manifest.get("world_size")
+    saved_words = (f"sharding.type={saved_type!r} on {saved_world} rank(s)" if isinstance(saved_type, str)
+                   else f"{saved_world} rank(s)")
+    advice = ("a sharding.type that keeps its columns whole (table_wise, row_wise, table_row_wise, or column_wise "
+              "on 1 rank)" if record.splits == ((0, record.dim),) else f"the column split it was saved with "
+              f"({saved_words})")
+    more = (f" ({len(changed) - 1} more table(s) alike: {', '.join(repr(r.table) for _, r, _ in changed[1:4])}"
+            f"{' ...' if len(changed) > 4 else ''})" if len(changed) > 1 else "")
+    meaning = (": the running sum of the mean squared gradient over that shard's columns"
+               if optimizer == "rowwise_adagrad" else "")
+    raise ConfigError(
+        f"cannot resume from {path}: table {record.table!r}: {what} keeps row-wise state ({', '.join(record.states)}), "
+        f"one value per row of each column shard{meaning}. This checkpoint holds the table's {record.dim} columns "
+        f"{_describe_splits(record.splits, record.dim)}, saved with {saved_words}, and {planned_words} splits them "
+        f"{_describe_splits(now, record.dim)}; row-wise state is not re-laid between column splits, so nothing was "
+        f"loaded{more}. The checkpoint is intact: "
+        f"resume it with {advice}, or start a new run (another train.output_dir) for the new sharding"
+    )
 
 
 class Checkpointer:
@@ -451,7 +557,9 @@ class Checkpointer:
             refuse_changes(manifest.get("config", {}), config_flat, path)
         state = decode(manifest["state"], path, "saved state")
         ranks = decode(manifest["ranks"], path, "per-rank state")
-        saved = self.saved_keys(path)
+        md = read_metadata(path)
+        saved = sorted(md.state_dict_metadata)
+        whole = template is None
         if template is None:
             template = self._whole_tensors(path, map_location)
         tensors, _ = _split(template)
@@ -460,17 +568,25 @@ class Checkpointer:
         if missing:
             raise CheckpointError(f"{path}: holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
                                   f"({len(missing)} tensors this model needs)")
+        if not whole:  # (whole tensors are read as saved, whatever their split)
+            check_column_layout(path, manifest, md, {k: live_column_splits(flat[k]) for k in row_wise_state_tables(md)
+                                                     if k in flat},
+                                f"this run's sharding plan on {self.world_size} rank(s)")
         try:
             dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
-            # Bytes that match their checksums and still do not load (a format 2 checkpoint, or
-            # metadata that contradicts the shards): say which checkpoint, why, what else there is.
+            # Files that match their checksums and still do not load into this run's tensors:
+            # not damage (the checksums rule that out), a mismatch with this run's model.
             # (DCP's message is each rank's traceback: its last line says what went wrong.)
             cause = ([line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__])[-1]
+            verified = ("its files match the checksums recorded at the save: they are intact"
+                        if manifest["format"] >= 3 else "a format 2 checkpoint, whose files have no checksums")
             raise CheckpointError(
-                f"{path}: cannot be read, it is damaged ({cause.split('. ')[0][:160]}){self._others(path)}"
+                f"{path}: cannot be loaded into this run's model ({cause.split('. ')[0][:160]}); {verified}: this "
+                f"run's tables, shapes or sharding differ from the saved ones in a way the resume checks do not "
+                f"name. Resume it with the config it was saved with (its {MANIFEST} holds it)"
             ) from None
         out = _merge(state, tensors)
         out = _merge(out, ranks[self.rank % len(ranks)])

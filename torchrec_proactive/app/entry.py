@@ -147,7 +147,8 @@ def run_command(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir:
     if not under_torchrun():  # under torchrun each rank checks (collectively) in build_run
         check_run_dir(cfg)
         overrides = pin_output_dir(overrides, cfg)
-    check_inputs(cfg)  # data files and the checkpoint to resume: one line now, not from every rank later
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
+    check_inputs(cfg, world_size)  # data files and the checkpoint to resume: one line now, not from every rank later
     from ..launch import RankFailure
 
     try:

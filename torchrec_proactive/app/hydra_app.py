@@ -153,7 +153,7 @@ def _task(mode: str, nproc: int, config_dir: Optional[str], report: Report) -> C
     return task
 
 
-def _record_in_run_dir(argv: List[str], overrides: Sequence[str], cfg: Any) -> List[str]:
+def _record_in_run_dir(argv: List[str], overrides: Sequence[str], cfg: Any, nproc: int) -> List[str]:
     """``argv`` with Hydra's run directory set to the run's (``train.output_dir``), after the
     checks that may refuse the run: Hydra writes its record (``.hydra/``, ``<mode>.log``)
     into its run directory before the job starts, so a refusal must come first and the
@@ -162,7 +162,7 @@ def _record_in_run_dir(argv: List[str], overrides: Sequence[str], cfg: Any) -> L
     from .rundir import check_run_dir
 
     check_run_dir(cfg)  # a fresh run into a previous run's directory
-    check_inputs(cfg)  # data files, and the checkpoint a resume continues from
+    check_inputs(cfg, nproc)  # data files, and the checkpoint a resume continues from (on nproc ranks)
     if any(o.lstrip("+~").startswith("hydra.run.dir=") for o in overrides):
         return argv  # the user chose it; train.output_dir follows it unless set too
     return [*argv, f"hydra.run.dir={_quote(str(cfg.train.output_dir))}"]
@@ -212,7 +212,7 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
                 f"number>) or sweep it too"
             )
         if not args.multirun and not args.cfg and not under_torchrun():
-            argv = _record_in_run_dir(argv, args.overrides, cfg)
+            argv = _record_in_run_dir(argv, args.overrides, cfg, nproc)
     if under_torchrun() and not (inspecting or args.cfg):
         report(run_command(mode, args.overrides, nproc=nproc, config_dir=args.config_dir))
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Optional, Tuple
 
 from ..config.schema import Config, DataConfig
 from ..data.npy_files import (
@@ -72,10 +73,29 @@ def check_data_files(cfg: DataConfig) -> None:
         raise UserError(missing_data_message(cfg))
 
 
-def check_resume(cfg: Config) -> None:
+# Sharding types that keep every table's columns whole (one column shard).
+_WHOLE_COLUMNS = ("table_wise", "row_wise", "table_row_wise")
+
+
+def planned_column_splits(sharding: str, world_size: int, dim: int) -> Optional[Tuple[Tuple[int, int], ...]]:
+    """The column ranges ``sharding.type`` gives a table of ``dim`` columns on ``world_size``
+    ranks (the app's plans, :mod:`torchrec_proactive.planning`: ``column_wise`` is TorchRec's
+    even split over every rank), or ``None`` where only the plan knows (``auto``)."""
+    if sharding in _WHOLE_COLUMNS:
+        return ((0, dim),)
+    if sharding == "column_wise" and world_size >= 1 and dim % world_size == 0:
+        width = dim // world_size
+        return tuple((i * width, (i + 1) * width) for i in range(world_size))
+    return None
+
+
+def check_resume(cfg: Config, world_size: Optional[int] = None) -> None:
     """``train.resume``: the checkpoint the ranks would load has a readable manifest, a config
-    it may continue, and readable metadata - checked with the checkpoint module's own
-    readers. Anything other than a user error is left for the ranks to report."""
+    it may continue, numbers its run could have saved, and readable metadata - checked with
+    the checkpoint module's own readers. With ``world_size`` (the ranks to be started) and an
+    explicit ``sharding.type``, also that no table with row-wise optimizer state would be
+    split into other column shards than saved. Anything other than a user error is left for
+    the ranks to report."""
     from .rundir import checkpoint_dir, latest_checkpoint
 
     if not cfg.train.resume or not cfg.train.save_checkpoints:
@@ -83,9 +103,10 @@ def check_resume(cfg: Config) -> None:
     path = latest_checkpoint(checkpoint_dir(cfg))
     if path is None:
         return
-    from .checkpoint import Checkpointer
+    from .checkpoint import Checkpointer, check_column_layout, read_metadata, row_wise_state_tables
     from .compose import flatten
     from .resume import refuse_changes
+    from .saved_state import check_numbers
 
     # The whole check, checksums included (one more read of the checkpoint's bytes, here
     # before Hydra or any rank writes anything; the ranks verify again, each a share, since
@@ -94,15 +115,22 @@ def check_resume(cfg: Config) -> None:
     try:
         manifest = reader.manifest(path)
         refuse_changes(manifest.get("config", {}), flatten(cfg), path)  # (cheap, and the likelier mistake)
+        check_numbers(manifest, path)
         reader.verify(path)
-        reader.saved_keys(path)
+        md = read_metadata(path)
+        if world_size is not None:
+            planned = {key: planned_column_splits(cfg.sharding.type, world_size, record.dim)
+                       for key, record in row_wise_state_tables(md).items()}
+            check_column_layout(path, manifest, md, planned,
+                                f"sharding.type={cfg.sharding.type!r} on {world_size} rank(s)")
     except UserError:
         raise
     except Exception:  # not a mistake this check can name: the ranks report it as before
         return
 
 
-def check_inputs(cfg: Config) -> None:
-    """Everything :mod:`.preflight` checks, in the order the ranks would meet it."""
+def check_inputs(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Everything :mod:`.preflight` checks, in the order the ranks would meet it
+    (``world_size``: the ranks to be started, where known)."""
     check_data_files(cfg.data)
-    check_resume(cfg)
+    check_resume(cfg, world_size)

@@ -10,6 +10,7 @@ Needs neither torch nor TorchRec, so the CLI checks before it starts any rank.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ def checkpoint_dir(cfg: Config) -> Path:
 
 def complete_checkpoints(directory: Path) -> List[Path]:
     """Complete checkpoints (``step_<8 digits>`` directories with a manifest, not links) in
-    ``directory``, oldest first."""
+    ``directory``, oldest first. (``directory`` itself may be a link, e.g. to a larger disk.)"""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -41,13 +42,41 @@ def complete_checkpoints(directory: Path) -> List[Path]:
                   if STEP_DIR.fullmatch(p.name) and not p.is_symlink() and (p / MANIFEST).is_file())
 
 
+def _refuse_link(link: Path, older: Optional[Path]) -> CheckpointError:
+    try:
+        target = os.readlink(link)
+    except OSError:
+        target = "?"
+    instead = f"delete the link to resume from {older.name}" if older is not None else \
+        "delete the link to start from scratch"
+    return CheckpointError(
+        f"{link}: is a symbolic link (to {target}), not a checkpoint directory this program wrote; refusing to load "
+        f"it, and not resuming from an older checkpoint in its place: move the directory it names here as "
+        f"{link.name}, or {instead}"
+    )
+
+
 def latest_checkpoint(directory: Path) -> Optional[Path]:
     """The checkpoint ``LATEST`` names if complete, else the newest complete one, or ``None``.
 
     ``LATEST`` may name only a step directory of ``directory`` (a bare ``step_<8 digits>``);
     anything else - an absolute path, ``..``, another name - is refused (:class:`CheckpointError`):
-    every path a checkpoint names resolves inside it."""
-    pointer = Path(directory) / LATEST
+    every path a checkpoint names resolves inside it. ``LATEST`` is a file the save writes:
+    as a link it is refused, not followed. A step directory that is a link, where it would be
+    loaded or is newer than the one that would, is refused too: never skipped for an older
+    checkpoint. (The checkpoints directory itself may be a link.)"""
+    directory = Path(directory)
+    pointer = directory / LATEST
+    complete = complete_checkpoints(directory)
+    if pointer.is_symlink():
+        try:
+            target = os.readlink(pointer)
+        except OSError:
+            target = "?"
+        raise CheckpointError(f"{pointer}: is a symbolic link (to {target}), not the file a save writes; refusing to "
+                              f"follow it (delete it to resume from the newest complete checkpoint)")
+    links = sorted(p for p in directory.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_symlink()) \
+        if directory.is_dir() else []
     if pointer.is_file():
         try:
             name = pointer.read_text().strip()
@@ -58,11 +87,20 @@ def latest_checkpoint(directory: Path) -> Optional[Path]:
             raise CheckpointError(f"{pointer}: names {name[:120]!r}, not a step directory of {directory} "
                                   f"(step_<8 digits>); refusing to follow it (delete it to resume from the newest "
                                   f"complete checkpoint)")
-        cand = Path(directory) / name
-        if (cand / MANIFEST).is_file() and not cand.is_symlink():
+        cand = directory / name
+        if cand.is_symlink():
+            raise _refuse_link(cand, complete[-1] if complete else None)
+        if (cand / MANIFEST).is_file():
+            newer = [p for p in links if p.name > cand.name]
+            if newer:
+                raise _refuse_link(newer[-1], cand)
             return cand
-    complete = complete_checkpoints(directory)  # pointer missing or pointing at an incomplete save
-    return complete[-1] if complete else None
+    # pointer missing or pointing at an incomplete save
+    newest = complete[-1] if complete else None
+    newer = [p for p in links if newest is None or p.name > newest.name]
+    if newer:
+        raise _refuse_link(newer[-1], newest)
+    return newest
 
 
 def previous_run(cfg: Config) -> Optional[str]:
