@@ -57,6 +57,7 @@ from ..store import (
     pooled_lookup_group,
 )
 from ..store.row_space import device_store_rows  # noqa: F401 - (re-exported: tests import it here)
+from .host_views import LiveTableSlice, live_view, register_host_storage
 from .options import ProactiveOptions
 
 
@@ -236,6 +237,16 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
         self._warned_overflow = False
+        self._warned_stale_write = False
+        # Written through a live view (or its bytes handed out) since the last lookup.
+        self._host_written = False
+        # What TorchRec hands out (state_dict, named_parameters, the optimizer's state) is
+        # live: a read writes the cache back first, a write is taken by the cache (see
+        # host_views.py). The store itself reads and writes through plain aliases.
+        register_host_storage(host_buffer, self)
+        for state in self.store.exposed_state.values():
+            register_host_storage(state, self)
+        self._host_views = [live_view(v) for v in self._host_views]
         self._uvm_owner: Optional[torch.Tensor] = None  # set by from_stock on CUDA
         self.prefetch_depth = 0
         self._optim = ProactiveFusedOptimizer(self, pg)
@@ -293,7 +304,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         """Per table, the host-tier optimizer state under FBGEMM's names (``sum``, ``exp_avg`` ...)."""
         names = _FBGEMM_STATE_NAMES[self.optimizer_config.optim]
         return [
-            {fbgemm: self.store.exposed_state[ours][seg.start: seg.start + seg.num_rows] for fbgemm, ours in names}
+            {fbgemm: live_view(self.store.exposed_state[ours][seg.start: seg.start + seg.num_rows])
+             for fbgemm, ours in names}
             for seg in self.store.segments
         ]
 
@@ -340,7 +352,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             spans[cfg.name] = (min(lo, start), max(hi, end), view.shape[1])
         out: Dict[str, TableBatchedEmbeddingSlice] = {}
         for name, (start, end, dim) in spans.items():
-            sl = TableBatchedEmbeddingSlice(
+            sl = LiveTableSlice(
                 data=self._host_buffer, start_offset=start, end_offset=end,
                 num_embeddings=-1, embedding_dim=dim,
             )
@@ -406,31 +418,53 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if batch is not None:
             batch.table.release(batch.plan)  # (idempotent: a no-op after its backward)
 
-    def _apply_host_writes(self) -> None:
-        """Makes the cache read what the user wrote in place into the tensors TorchRec exposes
-        (``state_dict()``, ``named_parameters()``, the fused optimizer's state, DCP loads
-        into them): when their version counter moved, every cached row is copied again from
-        the host tier, as after ``load_state_dict``. The host tier is then the truth for the
-        whole group, as the write makes it for stock TorchRec: cached updates not yet
-        written back are dropped (said once), which cannot happen to tensors taken from
-        ``state_dict()``/``named_parameters()`` since the last lookup (both flush).
+    def before_host_access(self) -> None:
+        """A live view (``host_views.py``) is about to read or write the host tier: the cache
+        is written back first, so the view sees the table as training left it."""
+        self.flush()
 
-        Why version counters: every in-place op through those tensors (``copy_``, ``zero_``,
-        DCP's reads, ``load_state_dict``) bumps them and nothing else does, since the store
-        moves rows through aliases of its own; checking costs one integer compare per tensor
-        at each plan, lookup and flush. Writes through ``.data`` or NumPy bypass them."""
+    def after_host_write(self) -> None:
+        """A live view wrote the host tier: the next lookup (or flush) has the cache take the
+        rows written."""
+        self._host_written = True
+
+    def adopt_host_writes(self) -> None:
+        """Makes the cache take what was written in place into the host tier (after a
+        re-initialisation, or writes through ``.data`` or NumPy, which the version counters
+        do not see), row by row: see ``TieredTable.adopt_host_writes``."""
+        self._apply_host_writes(always=True)
+
+    def _apply_host_writes(self, always: bool = False) -> None:
+        """Makes the cache take what was written in place into the host tier since the last
+        check, row by row (``TieredTable.adopt_host_writes``): the rows and tensors (weight,
+        each state) written take the written values, every other cached row keeps its
+        updates. Training is never discarded by a write.
+
+        Writes are seen two ways: a live view (``host_views.py``: what TorchRec hands out)
+        says so itself, after writing the cache back first, so the write started from the
+        live table; and the version counter of the host tier's tensors moved (a write through
+        another view of them: one integer compare per tensor at each plan, lookup and flush).
+        A write the cache could not check (rows with updates not yet written back, written
+        through a tensor that is not live) is said once, naming the tables. ``always``:
+        compare even when neither says so."""
         store = self.store
-        if not store.external_writes():
+        written, self._host_written = self._host_written, False
+        if not store.external_writes() and not written and not always:
             return
-        if store.has_dirty():
+        # No move may run while the cache compares itself with the host tier: every queued
+        # fill has landed (and recorded what it read) before the comparison.
+        self._engine.drain()
+        taken, behind = store.adopt_host_writes()
+        if behind and not self._warned_stale_write:
+            self._warned_stale_write = True
             warnings.warn(
-                f"tables {self.table_names()}: their weights or optimizer state were written in place while "
-                f"cached rows held updates that had not reached those tensors; the write wins for the whole "
-                f"group, as a load would, and those updates are dropped. Take the tensors from state_dict() or "
-                f"named_parameters() right before writing into them (both write the cache back first)",
+                f"tables {self.table_names()}: their host tier was written in place through a tensor that is not "
+                f"one this module hands out (those write the cache back first), while {behind} cached row(s) held "
+                f"updates not yet written back; those rows kept their cached values (a write to them cannot be told "
+                f"from their old values), {taken} other row(s) took the written values. Write through state_dict(), "
+                f"named_parameters() or the optimizer's state_dict() tensors (said once per table group)",
                 stacklevel=3,
             )
-        self.invalidate()
 
     # ------------------------------------------------------------------ data path
     def plan_batch(self, features: KeyedJaggedTensor, overflow: bool = False) -> PlannedGroup:
@@ -581,9 +615,11 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         planned, self._bound = self._bound, None
-        # Only a training forward may update the rows: in eval mode (or under no_grad) the
-        # lookup is read-only and releases its pins at once.
-        train = self.training and torch.is_grad_enabled()
+        # A forward with grad enabled may be trained on, whatever the module's mode: FBGEMM
+        # updates the tables in backward in eval mode too (users freeze dropout that way).
+        # Under no_grad (an evaluation pipeline's choice) the lookup is read-only and
+        # releases its pins at once.
+        train = torch.is_grad_enabled()
         if train:
             # Pin rule: the previous training lookup's backward had its chance. Its pins end
             # now, so a forward whose loss was dropped holds nothing past the next one (no

@@ -310,10 +310,11 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def reset_parameters(self) -> None:
         """TorchRec re-initialises the weights (the host tier) in place, e.g. for meta-built
-        models: cached copies of the old values must go."""
+        models: the cached rows take the new weights and keep their optimizer state, as
+        stock's tables do (the reset writes weights only)."""
         super().reset_parameters()
         for kernel in getattr(self, "_proactive_kernels", []):
-            kernel.invalidate()
+            kernel.adopt_host_writes()
 
     def create_context(self) -> ProactiveEBCContext:
         return ProactiveEBCContext()
@@ -364,7 +365,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self._plan_waiting(owner=getattr(ctx, "owner", None))
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
-        if self.training and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             # The pin rule (see ProactiveEmbeddingBag.forward): the previous training
             # lookup's backward had its chance; its pins end before this batch plans.
             for kernel in self._proactive_kernels:

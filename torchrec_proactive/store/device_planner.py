@@ -608,6 +608,13 @@ class DevicePlanner:
         s2r = self.d_slot_to_row.narrow(0, 0, self.num_slots).cpu()
         return s2r[s2r >= 0]
 
+    def resident(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Occupied slots, their rows and their dirty flags, read to the host (a sync: for
+        a write by the host tier's owner, not the step)."""
+        s2r = self.d_slot_to_row.narrow(0, 0, self.num_slots).cpu()
+        slots = torch.nonzero((s2r >= 0) & (s2r < self.num_rows)).flatten()
+        return slots, s2r[slots], self.d_dirty.narrow(0, 0, self.num_slots).cpu()[slots]
+
     def bookkeeping_bytes(self) -> int:
         tensors = [self.d_row_to_slot, self.d_slot_to_row, self.d_pins, self.d_dirty, self.d_blocked, self.d_last_used]
         if self.d_row_freq is not None:

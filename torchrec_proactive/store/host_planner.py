@@ -456,6 +456,11 @@ class HostPlanner:
         """Rows mapped to a slot now."""
         return self.slot_to_row[self.slot_to_row >= 0]
 
+    def resident(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Occupied slots, their rows and their dirty flags (host tensors)."""
+        slots = torch.nonzero(self.slot_to_row >= 0).flatten()
+        return slots, self.slot_to_row[slots], self.dirty[slots]
+
     def bookkeeping_bytes(self) -> int:
         """Bytes of maps, pins, flags and eviction state."""
         tensors = [self.row_to_slot, self.slot_to_row, self.pins, self.dirty, self.permanent, self.ranking.last_used]

@@ -646,6 +646,38 @@ class TieredTable:
         self.stats.external_writes += 1
         return True
 
+    @torch.no_grad()
+    def adopt_host_writes(self, chunk: int = 65536) -> Tuple[int, int]:
+        """Makes the cache take what the host tier's owner wrote in place, row by row.
+
+        A clean cached row equals its host copy bit for bit until someone writes that copy,
+        so each clean row (weight, and each optimizer state, on its own) whose host copy
+        differs was written, and the cache takes that tensor's row from the host; every
+        other row keeps its value. A dirty row's host copy is behind its cache, so a write
+        there cannot be told from the old value: it keeps its cached value and is counted.
+        Write the cache back (a flush) before writing, as the TorchRec kernel's live views
+        do, and there is none.
+
+        Returns ``(rows taken, dirty rows not compared)``. O(cached rows), on a write only;
+        call it with no move queued (the fetch engine drained)."""
+        self.planner.check_owner(claim=False)
+        slots, rows, dirty = self.planner.resident()
+        behind = int(dirty.sum())
+        slots, rows = slots[~dirty], rows[~dirty]
+        hosts = [self.host_weight, *self.host_state.values()]
+        caches = [self.cache_weight, *self.cache_state.values()]
+        taken = torch.zeros(rows.shape[0], dtype=torch.bool)
+        for start in range(0, rows.shape[0], chunk):
+            part = slice(start, start + chunk)
+            s_dev, r = slots[part].to(self.device), rows[part]
+            for host, cache in zip(hosts, caches):
+                now = host.index_select(0, r)
+                changed = _bits(now).ne(_bits(cache.index_select(0, s_dev).to("cpu"))).any(1)
+                if bool(changed.any()):
+                    cache.index_copy_(0, s_dev[changed.to(self.device)], now[changed].to(self.device))
+                    taken[part] |= changed
+        return int(taken.sum()), behind
+
     def invalidate(self) -> None:
         """Drops every cached row without writing back (after the host tier was overwritten).
 
@@ -686,6 +718,13 @@ class TieredTable:
             f"planner={'device' if self.plans_on_device else 'host'}, policy={self.policy.value}, "
             f"optim={self.optimizer.optim.value})"
         )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Rows as integers of their elements' bits ``[n, width]`` (a bitwise comparison: NaNs
+    equal, -0 and +0 not)."""
+    flat = t.reshape(t.shape[0], -1)
+    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
