@@ -96,6 +96,9 @@ def test_a_typo_inside_a_config_dir_experiment_names_the_key(tmp_path: Path) -> 
         (["--cfg", "job", "--info", "all"], ["--cfg and --info cannot be given together"]),
         (["prefetch.depth=${oops}"], ["prefetch.depth", "Interpolation key 'oops' not found"]),
         (["-m", "prefetch.depth=0,1", "train.output_dir=/tmp/one_dir"], ["is the same for 2 jobs of the sweep"]),
+        # caches sized for a depth below the run's cannot hold its batches
+        (["-m", "prefetch.depth=1,2", "cache.sized_for_depth=1"],
+         ["cache.sized_for_depth=1 is invalid", "must be >= the run's prefetch depth 2"]),
     ],
 )
 def test_mistakes_stay_one_line_with_exit_code_2(args: List[str], fragments: List[str], tmp_path: Path) -> None:
@@ -147,6 +150,10 @@ def test_wheel_ships_the_configs_and_composes_without_the_checkout(tmp_path: Pat
 
 @pytest.mark.multiprocess
 def test_multirun_sweep_gives_each_job_its_own_run_dir_and_ranks(tmp_path: Path) -> None:
+    """... and a sweep over the depth holds the caches fixed (issue 41): with cache.fit_depth
+    (the default) each job's caches were sized for its own depth - 128 slots at depth 0, 384
+    at depth 2 - so the sweep compared caches as much as depths. Every job's caches are sized
+    for the sweep's largest depth, said once, and recorded in each job's overrides."""
     sweep = tmp_path / "sweep"
     run = cli("train", "--nproc", "2", "-m", "prefetch.depth=0,2", *TINY, "train.max_steps=3",
               f"data.root={tmp_path / 'data'}", f"hydra.sweep.dir={sweep}", timeout=400)
@@ -156,10 +163,18 @@ def test_multirun_sweep_gives_each_job_its_own_run_dir_and_ranks(tmp_path: Path)
     assert [r["output_dir"] for r in results] == [str(sweep / "0"), str(sweep / "1")], run
     for job in ("0", "1"):
         assert (sweep / job / ".hydra" / "overrides.yaml").is_file()
+        assert "cache.sized_for_depth=2" in (sweep / job / ".hydra" / "overrides.yaml").read_text()
         # each job launched its own two ranks into its own directory
         assert sorted(p.name for p in (sweep / job).glob("rank_*")) == ["rank_0", "rank_1"]
         assert (sweep / job / "checkpoints" / "LATEST").read_text() == "step_00000003"
+        assert json.loads((sweep / job / "result.json").read_text()) == results[int(job)]
     assert (sweep / "multirun.yaml").is_file()
+    # one cache for the whole sweep: the same slots in both jobs, grown for 3 batches of 128 ids
+    assert run.err.count("every job's caches are sized for depth 2 (cache.sized_for_depth=2)") == 1, run
+    assert results[0]["cache_slots"] == results[1]["cache_slots"] and results[0]["cache_slots"], run
+    assert max(results[0]["cache_slots"].values()) == 3 * 2 * 64, results[0]["cache_slots"]
+    # the depth-2 job prefetched: nothing waited for room, so no word of falling back
+    assert results[1]["deferred_batches"] == 0 and "fell back" not in run.err, run
 
 
 @pytest.mark.multiprocess

@@ -172,10 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Samples cache.profile_batches global batches of the training data, measures "
                                     "each table's miss-ratio curve at the run's prefetch depth and saves it "
                                     "(cache.profile_path, default cache_profile.json in the data set's directory; "
-                                    "reused while data, tables, batch and depth are unchanged). With "
-                                    "cache.budget_bytes=B (and sharding=auto) it also prints the load factors the "
-                                    "planner picks; `train` with the same config uses them. The last line on "
-                                    "stdout is JSON.")
+                                    "reused while data, tables, batch and depth are unchanged). Per table it "
+                                    "prints the distinct rows per batch, the cacheability and the floor (min_slots: "
+                                    "the rows depth + 1 batches pin, which every planned cache holds), then the "
+                                    "smallest cache.budget_bytes that places every cache at its floor on the run's "
+                                    "ranks (smaller budgets are refused). With cache.budget_bytes=B (and "
+                                    "sharding=auto) it also prints the slots the planner picks and the miss rate the "
+                                    "curve expects of each; `train` with the same config uses them. The last line "
+                                    "on stdout is JSON (the same figures).")
     _add_run_options(pc, default_nproc=1)
     pc.set_defaults(func=cmd_profile_cache, parser=pc)
 
@@ -320,8 +324,12 @@ def _report_profile(results: List[Any]) -> None:
     if _is_rank0():
         out = results[0]
         for name, t in sorted(out["tables"].items()):
+            planned = (f", planned {t['planned_slots']} slots (miss rate {t['planned_miss_rate']:.3f})"
+                       if "planned_slots" in t else "")
             print(f"{name}: {t['expected_lookups']:.0f} distinct rows/batch, cacheability {t['cacheability']:.3f}, "
-                  f"min load factor {t['min_load_factor']:.4f}", flush=True)
+                  f"at least {t['min_slots']} of {t['rows']} rows cached{planned}", flush=True)
+        print(f"minimum cache.budget_bytes at prefetch depth {out['prefetch_depth']}: {out['min_budget_bytes']} "
+              f"bytes per device (every table's cache at its floor)", flush=True)
         if "plan" in out:
             print(out["plan"]["log"], flush=True)
         print(json.dumps(out), flush=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -90,12 +90,15 @@ def build_plan(
     device_type: str = "cpu",
     cache_load_factor: Optional[Union[float, Mapping[str, float]]] = None,
     pg: Optional[dist.ProcessGroup] = None,
+    sharding_types: Optional[Sequence[str]] = None,
 ) -> ShardingPlan:
     """A plan for every ``EmbeddingBagCollection`` in ``model``.
 
     Hand-built (``construct_module_sharding_plan``) for explicit sharding types; TorchRec's
-    planner for ``"auto"`` (constrained to ``kernel`` and the cache load factor).
-    ``cache_load_factor``: one for every table, or per table (e.g. the cache planner's).
+    planner for ``"auto"`` (constrained to ``kernel``, the cache load factor and, when given,
+    ``sharding_types``: e.g. the cache planner's, whose whole-table floors hold only in shards
+    that hold every row). ``cache_load_factor``: one for every table, or per table (e.g. the
+    cache planner's).
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown compute kernel {kernel!r}; choose from {KERNELS}")
@@ -115,7 +118,8 @@ def build_plan(
         # Only the sharding types that can run `kernel` (the sharder says which: proactive
         # tables support fewer than stock's `fused` on CPU, and data_parallel tables are
         # dense - offering it made the planner warn once per table that no kernel fits).
-        types = [t for t in sharder.sharding_types(device_type) if kernel in sharder.compute_kernels(t, device_type)]
+        types = [t for t in sharder.sharding_types(device_type) if kernel in sharder.compute_kernels(t, device_type)
+                 and (sharding_types is None or t in sharding_types)]
         constraints = {
             cfg.name: ParameterConstraints(sharding_types=types, compute_kernels=[plan_kernel],
                                            cache_params=cache_for(cfg.name))

@@ -4,7 +4,10 @@ Rank 0 samples ``cache.profile_batches`` global batches of the training split (e
 loader, batch ``t`` of each, together: what a table-wise shard sees), measures each table's
 miss-ratio curve at the run's prefetch depth and saves the profile; later runs reuse it while
 its fingerprint (data files, tables, batch size, world size, depth, sample size) matches.
-With a budget, rank 0 then runs the cache planner and every rank gets its load factors.
+With a budget, rank 0 then runs the cache planner and every rank gets its plan: per-table
+slots never below the floor of the store's planner (``MissRatioCurve.for_planner``: the
+device planner, on CUDA, counts a batch by its ids until its sizes come back), and the load
+factors the run's own TorchRec plan carries.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.distributed as dist
 from torchrec import EmbeddingBagConfig
 
 from ..cacheplan.curve import MissRatioCurve
-from ..cacheplan.planner import CacheBudgetError, CachePlan, plan_cache_sizes
+from ..cacheplan.planner import WHOLE_ROW_SHARDINGS, CacheBudgetError, CachePlan, budget_refusal, plan_cache_sizes
 from ..cacheplan.profile import PROFILE_FILE, fingerprint, load_profile, profile_batches, save_profile
 from ..config.schema import Config
 from ..data.criteo import PreprocessedCriteo, make_dataloaders
@@ -35,18 +38,31 @@ def _data_files(pre: PreprocessedCriteo) -> List[Path]:
     return [Path(p) for group in (pre.dense_paths, pre.sparse_paths, pre.labels_paths) for p in group]
 
 
-def _global_batches(pre: PreprocessedCriteo, cfg: Config, world_size: int):
-    """Batch ``t`` of every rank's training loader, as one KJT per table feature set."""
-    loaders = [iter(make_dataloaders(pre, cfg.train.batch_size, r, world_size, eval_fraction=cfg.data.eval_fraction,
-                                     shuffle_batches=cfg.data.shuffle_batches)[0]) for r in range(world_size)]
+def global_batch(parts: Sequence[Any]) -> Any:
+    """One KJT of the ranks' batches ``parts`` (same keys): each key's ids of every rank, in
+    rank order - the ids a table-wise shard receives for the step. (``KeyedJaggedTensor.concat``
+    joins *keys*: with the same keys twice a table would see one rank's ids only.)"""
     from torchrec import KeyedJaggedTensor
 
+    if len(parts) == 1:
+        return parts[0]
+    keys = list(parts[0].keys())
+    per_rank = [p.to_dict() for p in parts]
+    values = [jt[k].values() for k in keys for jt in per_rank]
+    lengths = [jt[k].lengths() for k in keys for jt in per_rank]
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _global_batches(pre: PreprocessedCriteo, cfg: Config, world_size: int):
+    """Batch ``t`` of every rank's training loader, as one KJT (:func:`global_batch`)."""
+    loaders = [iter(make_dataloaders(pre, cfg.train.batch_size, r, world_size, eval_fraction=cfg.data.eval_fraction,
+                                     shuffle_batches=cfg.data.shuffle_batches)[0]) for r in range(world_size)]
     for _ in range(cfg.cache.profile_batches):
         try:
             parts = [next(it).sparse_features for it in loaders]
         except StopIteration:
             return
-        yield KeyedJaggedTensor.concat(parts) if len(parts) > 1 else parts[0]
+        yield global_batch(parts)
 
 
 def profile_here(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[EmbeddingBagConfig], world_size: int,
@@ -93,21 +109,35 @@ def _on_rank0(fn: Any) -> Any:
     return box[0]
 
 
+def _plan(cfg: Config, model: torch.nn.Module, sharder: Any, curves: Dict[str, MissRatioCurve], depth: int,
+          world_size: int, local_size: int, device: torch.device, minimum_only: bool = False) -> CachePlan:
+    """The cache planner on the curves, with the floors of the planner the run's stores use;
+    table- and column-wise shardings only (the curves measure whole tables: see
+    ``WHOLE_ROW_SHARDINGS``; the run's plan keeps to them too)."""
+    on_device = sharder.options.plans_on_device(device)
+    curves = {t: c.for_planner(on_device) for t, c in curves.items()}
+    budget = cfg.cache.budget_bytes if cfg.cache.budget_bytes > 0 else None  # -1: the HBM left over
+    if minimum_only and budget is None:
+        budget = 1  # (only the minimum is wanted: no budget to check)
+    try:
+        return plan_cache_sizes(model, sharder, curves, budget, depth, world_size, local_size,
+                                device_type=device.type, batch_size=cfg.train.batch_size,
+                                sharding_types=WHOLE_ROW_SHARDINGS, minimum_only=minimum_only)
+    except CacheBudgetError as e:
+        raise ConfigError(str(e)) from None
+
+
 def plan_run_caches(cfg: Config, model: torch.nn.Module, sharder: Any, pre: PreprocessedCriteo,
                     tables: Sequence[EmbeddingBagConfig], world_size: int, local_size: int, device: torch.device,
                     depth: int, run_dir: Path, log: logging.Logger) -> CachePlan:
     """Profile (or reuse it) and plan on rank 0; the plan on every rank; the profile copied
-    into ``run_dir`` for the record. A budget too small is a :class:`ConfigError` (one line)."""
+    into ``run_dir`` for the record. A budget too small is a :class:`ConfigError` (one line,
+    naming the minimum in bytes)."""
     def work() -> CachePlan:
         curves, path, reused = profile_here(cfg, pre, tables, world_size, depth, log)
         if reused:
             log.info("cache profile: reused %s (same data, tables, batch and depth)", path)
-        budget = cfg.cache.budget_bytes if cfg.cache.budget_bytes > 0 else None  # -1: the HBM left over
-        try:
-            plan = plan_cache_sizes(model, sharder, curves, budget, depth, world_size, local_size,
-                                    device_type=device.type, batch_size=cfg.train.batch_size)
-        except CacheBudgetError as e:
-            raise ConfigError(str(e)) from None
+        plan = _plan(cfg, model, sharder, curves, depth, world_size, local_size, device)
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, run_dir / PROFILE_FILE)
         return plan
@@ -118,6 +148,47 @@ def plan_run_caches(cfg: Config, model: torch.nn.Module, sharder: Any, pre: Prep
         log.info("cache plan: the curves model LRU eviction; with cache.eviction_policy=%s the hit rates differ "
                  "from the planned ones (the sizes still hold the pinned rows)", cfg.cache.eviction_policy)
     return plan
+
+
+_checked: Dict[Tuple[str, int], CachePlan] = {}
+
+
+def refuse_budget_before_launch(cfg: Config, world_size: int) -> None:
+    """Refuses a ``cache.budget_bytes`` below the minimum (:class:`ConfigError`, the same one
+    line the ranks would raise) in the launching process, before any rank starts and before
+    anything is written in the run directory. Prepares the data and measures the profile here
+    (saved where the ranks look: they reuse both); the minimum needs only the tables' shapes.
+    Nothing to do without a given budget (0, or -1: the device's memory, known to the ranks)."""
+    if cfg.cache.budget_bytes <= 0 or cfg.sharding.type != "auto":
+        return
+    from .compose import config_hash
+    from .model import build_model, build_sharder, table_configs
+
+    key = (config_hash(cfg), world_size)
+    if key not in _checked:
+        log = logging.getLogger("torchrec_proactive.launcher")
+        if not log.handlers:  # what it makes (data, profile) is said here; what it reuses, by the ranks
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s [launcher] %(message)s", "%H:%M:%S"))
+            handler.addFilter(lambda record: "reusing" not in record.getMessage())
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+            log.propagate = False
+        pre = data_lib.prepare_here(cfg.data, log)
+        pre = data_lib.hash_to_tables(pre, cfg.model.num_embeddings_per_feature, data_lib.QUIET)
+        tables = table_configs(cfg.model, pre.cardinalities)
+        depth = cfg.cache_depth
+        curves, _, _ = profile_here(cfg, pre, tables, world_size, depth, log)
+        device = torch.device("cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto"
+                                                                      and torch.cuda.is_available()) else "cpu")
+        model = build_model(cfg.model, pre.cardinalities, torch.device("cpu"))  # (tables on meta: shapes only)
+        _checked[key] = _plan(cfg, model, build_sharder(cfg, {}), curves, depth, world_size, world_size, device,
+                              minimum_only=True)
+    floor = _checked[key]
+    if cfg.cache.budget_bytes < floor.min_budget_bytes:
+        # the planner's own refusal, word for word (the ranks' planner checks the same minimum first)
+        raise ConfigError(str(budget_refusal(cfg.cache.budget_bytes, floor.min_budget_bytes, floor.min_slots,
+                                             floor.prefetch_depth, world_size)))
 
 
 def run_profile(cfg: Config) -> Dict[str, Any]:
@@ -133,21 +204,25 @@ def run_profile(cfg: Config) -> Dict[str, Any]:
 
     def work() -> Dict[str, Any]:
         curves, path, reused = profile_here(cfg, pre, tables, env.world_size, depth, log)
-        out: Dict[str, Any] = {"profile": str(path), "reused": reused, "prefetch_depth": depth,
-                               "tables": {n: {"expected_lookups": c.expected_lookups, "cacheability": c.cacheability,
-                                              "min_load_factor": c.min_load_factor,
-                                              "miss_rate_at_load_factor": c.expected_miss_rate(cfg.cache.load_factor)}
-                                          for n, c in curves.items()}}
+        model, sharder = build_model(cfg.model, pre.cardinalities, env.device), build_sharder(cfg, {})
+        # the minimum budget is the same figure a budget below it is refused with
+        floor = _plan(cfg, model, sharder, curves, depth, env.world_size, env.local_world_size, env.device,
+                      minimum_only=True)
+        out: Dict[str, Any] = {
+            "profile": str(path), "reused": reused, "prefetch_depth": depth,
+            "min_budget_bytes": floor.min_budget_bytes,
+            "tables": {n: {"rows": c.num_rows, "expected_lookups": c.expected_lookups,
+                           "cacheability": c.cacheability, "min_slots": floor.min_slots[n],
+                           "min_load_factor": floor.min_slots[n] / c.num_rows}
+                       for n, c in curves.items()}}
         if cfg.cache.budget_bytes:
-            model = build_model(cfg.model, pre.cardinalities, env.device)
-            try:
-                budget = cfg.cache.budget_bytes if cfg.cache.budget_bytes > 0 else None
-                plan = plan_cache_sizes(model, build_sharder(cfg, {}), curves, budget, depth,
-                                        env.world_size, env.local_world_size, device_type=env.device.type,
-                                        batch_size=cfg.train.batch_size)
-            except CacheBudgetError as e:
-                raise ConfigError(str(e)) from None
-            out["plan"] = {"log": plan.describe(), "load_factors": plan.load_factors, "cache_bytes": plan.cache_bytes}
+            plan = _plan(cfg, model, sharder, curves, depth, env.world_size, env.local_world_size, env.device)
+            out["plan"] = {"log": plan.describe(), "slots": plan.slots, "load_factors": plan.load_factors,
+                           "cache_bytes": plan.cache_bytes}
+            for n, t in out["tables"].items():
+                # the miss rate the curve expects of the planned cache (warm batches' distinct rows)
+                t["planned_slots"] = plan.slots[n]
+                t["planned_miss_rate"] = curves[n].expected_miss_rate(plan.slots[n] / curves[n].num_rows)
         return out
 
     return _on_rank0(work)

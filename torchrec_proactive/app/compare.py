@@ -40,13 +40,15 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
     so that both see the same background load on a shared machine; each is timed only
     while its own steps run."""
     depth = cfg.prefetch.depth if cfg.prefetch.mode == "fixed" else 2
+    # both arms' caches are sized for one depth: the proactive arm's (or cache.sized_for_depth)
+    cache_depth = max(depth, cfg.cache.sized_for_depth or 0)
     modes = (("reactive", PrefetchConfig(mode="off", depth=0)), ("proactive", PrefetchConfig(mode="fixed", depth=depth)))
     trainers = []
     for label, prefetch in modes:
         train = replace(cfg.train, output_dir=str(Path(cfg.train.output_dir) / label), save_checkpoints=False,
                         resume=False)
         # one config line for the comparison: the two runs differ only in prefetch.*
-        trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train), cache_depth=depth,
+        trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train), cache_depth=cache_depth,
                                   log_config=not trainers))
     trainers[0].log.info("compare: reactive (prefetch off, depth 0) and proactive (depth %d) side by side on the "
                          "data and caches above", depth)

@@ -20,7 +20,12 @@ def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
     kernel = f"sharding.kernel=fused_uvm_caching (now {cfg.sharding.kernel})" if with_values else "sharding.kernel"
     text = text.replace('ParameterConstraints(compute_kernels=["fused_uvm_caching"], '
                         'cache_params=CacheParams(load_factor=...))', kernel)
-    load_factor = f"cache.load_factor (now {cfg.cache.load_factor:g})" if with_values else "cache.load_factor"
+    if cfg.cache.budget_bytes:
+        # the planner sized each cache from cache.budget_bytes; cache.load_factor is not used
+        budget = f"cache.budget_bytes={cfg.cache.budget_bytes}" if with_values else "cache.budget_bytes"
+        load_factor = f"this table's planned load factor (from {budget}: raise the budget)"
+    else:
+        load_factor = f"cache.load_factor (now {cfg.cache.load_factor:g})" if with_values else "cache.load_factor"
     for library_name in ("CacheParams.load_factor", "cache_load_factor"):
         text = text.replace(library_name, load_factor)
     return text
@@ -34,6 +39,10 @@ def capacity_error(cfg: Any, e: Exception) -> ConfigError:
              "auto": f"prefetch=auto (prefetch.max_depth={cfg.prefetch.max_depth})"}[cfg.prefetch.mode]
     # (The message starts with the value already.)
     detail = in_config_words(str(e), cfg, with_values=False).replace("prefetch_depth", "depth")
-    fixes = "raise cache.load_factor" + (", set cache.fit_depth=true" if not cfg.cache.fit_depth else "") + \
-        ("" if cfg.prefetch.mode == "off" else " or lower the depth")
+    lower = "" if cfg.prefetch.mode == "off" else " or lower the depth"
+    if cfg.cache.budget_bytes:
+        return ConfigError(f"cache.budget_bytes={cfg.cache.budget_bytes} is too small for {depth}: {detail}; raise "
+                           f"cache.budget_bytes or cache.profile_batches (the planned floors come from that sample)"
+                           f"{lower}")
+    fixes = "raise cache.load_factor" + (", set cache.fit_depth=true" if not cfg.cache.fit_depth else "") + lower
     return ConfigError(f"cache.load_factor={cfg.cache.load_factor:g} is too small for {depth}: {detail}; {fixes}")

@@ -116,6 +116,12 @@ def _torchrec_binary(cfg: DataConfig, log: logging.Logger) -> Optional[Preproces
     return None
 
 
+def prepare_here(cfg: DataConfig, log: logging.Logger, progress: bool = False) -> PreprocessedCriteo:
+    """:func:`prepare` in this process alone, outside any process group (the launcher's
+    checks, before the ranks start: they then reuse what it made)."""
+    return _prepare_here(cfg, log, progress)
+
+
 def _prepare_here(cfg: DataConfig, log: logging.Logger, progress: bool) -> PreprocessedCriteo:
     try:
         binary = _torchrec_binary(cfg, log)

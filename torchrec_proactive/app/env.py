@@ -75,8 +75,21 @@ class _TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
+class _IntoRunLog(logging.Handler):
+    """The library's own WARNING lines (the sharder's summary of the tables it tiered, with
+    their cache sizes) into the run's log, beside its other lines."""
+
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__(logging.WARNING)
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.target.handle(record)
+
+
 def setup_logging(env: RankEnv, name: str = "torchrec_proactive") -> logging.Logger:
-    """Rank 0 logs to stderr and its file; other ranks only to their own file."""
+    """Rank 0 logs to stderr and its file; other ranks only to their own file. The library's
+    WARNING lines (``torchrec_proactive.integration``) go there too."""
     logger = logging.getLogger(f"{name}.rank{env.rank}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -96,6 +109,11 @@ def setup_logging(env: RankEnv, name: str = "torchrec_proactive") -> logging.Log
             jh = logging.FileHandler(job_log)
             jh.setFormatter(fmt)
             logger.addHandler(jh)
+    library = logging.getLogger(f"{name}.integration")
+    for h in [h for h in library.handlers if isinstance(h, _IntoRunLog)]:
+        library.removeHandler(h)
+    library.addHandler(_IntoRunLog(logger))
+    library.propagate = False  # (said once, in the run's words: not again by a root handler)
     return logger
 
 

@@ -168,6 +168,23 @@ def _record_in_run_dir(argv: List[str], overrides: Sequence[str], cfg: Any, npro
     return [*argv, f"hydra.run.dir={_quote(str(cfg.train.output_dir))}"]
 
 
+def one_cache_for_the_sweep(mode: str, cfgs: Sequence[Any]) -> List[str]:
+    """The override that sizes every job's caches for the sweep's largest depth, when the
+    jobs run different prefetch depths and their caches depend on the depth
+    (``cache.fit_depth`` or ``cache.budget_bytes``) and none sets ``cache.sized_for_depth``:
+    a depth comparison that changes the caches is not one. Says so on stderr."""
+    depths = sorted({c.prefetch.capacity_depth for c in cfgs})
+    if len(depths) < 2 or any(c.cache.sized_for_depth is not None for c in cfgs):
+        return []
+    if not any(c.cache.fit_depth or c.cache.budget_bytes for c in cfgs):
+        return []  # (each job's caches are cache.load_factor's, whatever its depth)
+    deepest = depths[-1]
+    print(f"torchrec-proactive {mode}: the sweep's jobs run prefetch depths {', '.join(map(str, depths))}: every "
+          f"job's caches are sized for depth {deepest} (cache.sized_for_depth={deepest}), so that only the depth "
+          f"differs between them; set cache.sized_for_depth to size them for another depth", file=sys.stderr)
+    return [f"cache.sized_for_depth={deepest}"]
+
+
 def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) -> int:
     """Runs ``mode`` as a Hydra application on ``hydra_argv`` (Hydra's flags and overrides).
 
@@ -201,8 +218,10 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
     if not inspecting:
         jobs = job_overrides(args.overrides, args.multirun)
         fixed_dirs = []
+        cfgs = []
         for job in jobs:
             cfg = compose_config(job, args.config_dir)  # ConfigError: one line, exit code 2
+            cfgs.append(cfg)
             if any(o.lstrip("+").startswith("train.output_dir=") for o in job):
                 fixed_dirs.append(cfg.train.output_dir)
         if len(jobs) > 1 and len(set(fixed_dirs)) < len(fixed_dirs):
@@ -211,8 +230,17 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
                 f"directory holds one run: leave train.output_dir unset (each job runs in hydra.sweep.dir/<job "
                 f"number>) or sweep it too"
             )
+        sweep_cache = [] if args.cfg else one_cache_for_the_sweep(mode, cfgs)
+        if sweep_cache:
+            argv += sweep_cache
+            cfgs = [compose_config([*job, *sweep_cache], args.config_dir) for job in jobs]
         if not args.multirun and not args.cfg and not under_torchrun():
             argv = _record_in_run_dir(argv, args.overrides, cfg, nproc)
+        if not args.cfg and not under_torchrun() and any(c.cache.budget_bytes > 0 for c in cfgs):
+            from .cache_plan import refuse_budget_before_launch
+
+            for c in cfgs:  # a budget below the minimum: one line before any rank starts or anything is written
+                refuse_budget_before_launch(c, nproc)
     if under_torchrun() and not (inspecting or args.cfg):
         report(run_command(mode, args.overrides, nproc=nproc, config_dir=args.config_dir))
         return 0

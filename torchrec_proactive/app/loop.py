@@ -82,6 +82,12 @@ class Summary:
     last_checkpoint: Optional[str] = None
     output_dir: Optional[str] = None
     already_finished: bool = False  # resumed a run that had trained all its steps
+    cache_slots: Dict[str, int] = field(default_factory=dict)  # table -> rows its caches hold, all ranks
+
+
+#: More than this share of the rows fetched at their lookup, with prefetches that waited for
+#: cache room, is a run that fell back to reactive fetching: said once, as a warning.
+FELL_BACK_SHARE = 0.05
 
 
 # Summary fields a checkpoint carries, so that resuming reports the whole run's results
@@ -347,12 +353,41 @@ class Trainer:
             self._steady.reset(pos.step, self.pipeline.stats(), self.clock)
         if pos.step == self.total:
             self.summary.steady = self._steady.read(pos.step, self.pipeline.stats(), self.clock)
+            self._warn_if_fell_back(self.summary.steady)
         if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total:
             self._log_window()
             # Asked where the ranks sync anyway (not every step: on CUDA the answer syncs the stream)
             if self._sigterm is not None and not self._stopping and pos.step < self.total:
                 self._stopping = self._sigterm.agreed()
         self._mark = time.perf_counter()  # logging's collectives are not step time
+
+    def _warn_if_fell_back(self, steady: Dict[str, Any]) -> None:
+        """One WARNING when the steady state fetched more than ``FELL_BACK_SHARE`` of its
+        rows at their lookup because prefetches waited for cache room (or rows overflowed
+        to the host tier): the run meant to prefetch and mostly did not. (The first batch
+        after each drain - epoch end, evaluation, checkpoint - is fetched at its lookup by
+        design, and waits nothing: it is not this.)"""
+        depth = self.pipeline.prefetch_depth
+        fetched, at_lookup = steady.get("rows_fetched_per_step", 0.0), steady.get("rows_fetched_at_lookup_per_step", 0.0)
+        deferred, overflow = steady.get("deferred_batches", 0), steady.get("overflow_rows_per_step", 0.0)
+        if depth < 1 or fetched <= 0 or at_lookup <= FELL_BACK_SHARE * fetched or not (deferred or overflow):
+            return
+        cfg = self.cfg
+        if cfg.cache.budget_bytes:
+            fix = (f"raise cache.budget_bytes (now {cfg.cache.budget_bytes}) or cache.profile_batches (now "
+                   f"{cfg.cache.profile_batches}: the floors come from that sample, and this run's batches pin more)")
+        else:
+            fix = f"raise cache.load_factor (now {cfg.cache.load_factor:g})" + (
+                "" if cfg.cache.fit_depth else " or set cache.fit_depth=true (now false)")
+        lower = "prefetch.max_depth" if cfg.prefetch.mode == "auto" else "prefetch.depth"
+        self.log.warning(
+            "prefetching fell back to fetching at lookup: %.0f%% of the rows fetched per step (%.1f of %.1f per rank, "
+            "steps %d-%d) were fetched at their lookup, on the critical path; %d prefetch(es) waited for cache room "
+            "(deferred_batches)%s: the caches hold fewer rows than %d batches in flight pin. To prefetch, %s, or lower "
+            "%s (now %d)", 100.0 * at_lookup / fetched, at_lookup, fetched, steady.get("from_step", 0) + 1,
+            steady.get("from_step", 0) + steady.get("steps", 0), deferred,
+            f", {overflow:.1f} rows per step were served from the host tier" if overflow else "",
+            depth + 1, fix, lower, cfg.prefetch.max_depth if cfg.prefetch.mode == "auto" else depth)
 
     def _log_window(self) -> None:
         stats = self.pipeline.stats()

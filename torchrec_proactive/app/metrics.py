@@ -13,7 +13,8 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 from tqdm import tqdm
 
-_STAT_KEYS = ("stall_s", "rows_requested", "hits", "rows_fetched", "bytes_moved", "rows_fetched_at_lookup")
+_STAT_KEYS = ("stall_s", "rows_requested", "hits", "rows_fetched", "bytes_moved", "rows_fetched_at_lookup",
+              "deferred_batches", "overflow_rows")
 
 
 class EvalMetrics:
@@ -38,7 +39,10 @@ class EvalMetrics:
 
 @dataclass
 class Window:
-    """Global (all-rank) samples/s, stall per step and hit rate between two marks.
+    """Global (all-rank) samples/s, stall per step and hit rate between two marks, and the
+    signs that prefetching fell back: rows fetched at their lookup (on the critical path),
+    prefetches that waited for cache room (``deferred_batches``, a count over every rank's
+    modules) and rows served from the host tier (``overflow_rows_per_step``).
 
     Times come from the caller's clock (seconds spent in training steps), so pauses for
     evaluation or checkpoints do not count.
@@ -58,7 +62,7 @@ class Window:
         delta = [stats.get(k, 0.0) - self.start_stats.get(k, 0.0) for k in _STAT_KEYS]
         t = torch.tensor(delta + [clock - self.start_clock], dtype=torch.float64)
         dist.all_reduce(t)
-        stall, requested, hits, fetched, moved, at_lookup, elapsed_sum = t.tolist()
+        stall, requested, hits, fetched, moved, at_lookup, deferred, overflow, elapsed_sum = t.tolist()
         steps = max(step - self.start_step, 1)
         wall = elapsed_sum / self.world_size  # mean over ranks
         return {
@@ -70,6 +74,8 @@ class Window:
             "hit_rate": hits / requested if requested else 1.0,
             "rows_fetched_per_step": fetched / self.world_size / steps,
             "rows_fetched_at_lookup_per_step": at_lookup / self.world_size / steps,
+            "deferred_batches": int(deferred),
+            "overflow_rows_per_step": overflow / self.world_size / steps,
             "mb_moved_per_step": moved / self.world_size / steps / 1e6,
         }
 

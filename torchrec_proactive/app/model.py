@@ -17,6 +17,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer
 
 from .. import ProactiveEmbeddingBagCollectionSharder
+from ..cacheplan.planner import WHOLE_ROW_SHARDINGS
 from ..config.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, Config, ModelConfig, OptimizerConfig
 from ..fetch import LinkModel
 from ..planning import build_plan, combined_optimizer, shard_model
@@ -142,11 +143,13 @@ def _plans_on_device(cfg: Config) -> bool:
 def plan(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config, env: RankEnv,
          load_factors: Optional[Mapping[str, float]] = None) -> ShardingPlan:
     """The sharding plan of ``sharding.*`` (TorchRec's planner for ``auto``). ``load_factors``:
-    per table (the cache planner's), else ``cache.load_factor`` for all."""
+    per table (the cache planner's, whose sharding types the plan keeps to: table- and
+    column-wise, whose shards hold every row), else ``cache.load_factor`` for all."""
     return build_plan(
         model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
         local_size=env.local_world_size, device_type=env.device.type,
         cache_load_factor=(load_factors or cfg.cache.load_factor) if cfg.sharding.kernel == "fused_uvm_caching" else None,
+        sharding_types=WHOLE_ROW_SHARDINGS if load_factors else None,
     )
 
 
@@ -159,6 +162,38 @@ def shard_rows(sharding_plan: ShardingPlan) -> Dict[str, int]:
             if ps.compute_kernel == "fused_uvm_caching" and ps.sharding_spec is not None:
                 rows[name] = max(int(shard.shard_sizes[0]) for shard in ps.sharding_spec.shards)
     return rows
+
+
+def cache_slots_of(dmp: nn.Module) -> Dict[Tuple[str, int], int]:
+    """The rows each proactive table shard's cache holds on this rank, by (table, first row),
+    as its store was built (``ProactiveOptions.slots_for``: ``num_slots`` or the plan's load
+    factor, at most the shard's rows). Tables of one store with equal load factors share
+    its slots: each is given its own share here. :func:`table_slots` adds them up."""
+    from ..integration.sharded_ebc import ProactiveShardedEmbeddingBagCollection
+
+    by_rows: Dict[Tuple[str, int], int] = {}
+    for module in dmp.modules():
+        if not isinstance(module, ProactiveShardedEmbeddingBagCollection):
+            continue
+        options = module._proactive_options
+        for kernel in module.proactive_kernels:
+            for t in kernel._config.embedding_tables:
+                lf = float((t.fused_params or {}).get("cache_load_factor", options.cache_load_factor))
+                offset = int(t.local_metadata.shard_offsets[0]) if t.local_metadata else 0
+                by_rows[(t.name, offset)] = options.slots_for(t.name, t.local_rows, lf)
+    return by_rows
+
+
+def table_slots(per_rank: Sequence[Mapping[Tuple[str, int], int]]) -> Dict[str, int]:
+    """Per table, the rows its caches hold over every rank: row-wise shards summed, column
+    shards of the same rows counted once."""
+    merged: Dict[Tuple[str, int], int] = {}
+    for shards in per_rank:
+        merged.update(shards)
+    out: Dict[str, int] = {}
+    for (name, _), slots in sorted(merged.items()):
+        out[name] = out.get(name, 0) + slots
+    return out
 
 
 def with_slots(sharder: ProactiveEmbeddingBagCollectionSharder, slots: Dict[str, int]

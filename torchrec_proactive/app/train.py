@@ -7,10 +7,12 @@ the CLI, the example script and torchx).
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import ProactiveTrainPipeline
 from ..config.schema import Config
@@ -20,22 +22,27 @@ from .checkpoint import Checkpointer
 from .compose import to_yaml
 from .env import check_same_config, make_env, seed_everything, setup_logging
 from .loop import Summary, Trainer, check_resume
+from .result import TrainResult
 from .rundir import check_run_dir, checkpoint_dir, latest_checkpoint
 
 
 def run_training(cfg: Config) -> Summary:
-    """Builds the run, resumes it if asked to, trains it; returns rank-local results."""
+    """Builds the run, resumes it if asked to, trains it; returns rank-local results. Rank 0
+    writes the result (``TrainResult``) to ``<train.output_dir>/result.json``."""
     trainer = build_run(cfg)
     trainer.resume()
     summary = trainer.fit()
     trainer.log.info("done: %d steps, depth %d, %s", summary.steps, summary.depth, format_steady(summary.steady))
+    if trainer.env.is_main:
+        path = TrainResult.from_summary(asdict(summary)).write(cfg.train.output_dir)
+        trainer.log.info("result: %s", path)
     return summary
 
 
 def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool = True) -> Trainer:
     """Everything a run needs, ready to ``fit``. Caches are sized for ``cache_depth``
-    (default: the deepest depth the prefetch config may use). ``log_config=False`` skips
-    the config line (``compare`` builds two runs of one config)."""
+    (default: ``cache.sized_for_depth``, else the deepest depth the prefetch config may use).
+    ``log_config=False`` skips the config line (``compare`` builds two runs of one config)."""
     check_run_dir(cfg)  # before anything is written there
     env = make_env(cfg)
     log = setup_logging(env)
@@ -67,25 +74,34 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     seed_everything(cfg.train.seed)
     model = model_lib.build_model(cfg.model, data.cardinalities, env.device)
     tables = model_lib.table_configs(cfg.model, data.cardinalities)
-    depth = cfg.prefetch.capacity_depth if cache_depth is None else cache_depth
+    depth = cfg.cache_depth if cache_depth is None else cache_depth
     sharder = model_lib.build_sharder(cfg, {})
     load_factors = None
     if cfg.cache.budget_bytes:  # per-table sizes from the data's curves (app/cache_plan.py)
         from .cache_plan import plan_run_caches
 
-        load_factors = plan_run_caches(cfg, model, sharder, pre, tables, env.world_size, env.local_world_size,
-                                       env.device, depth, Path(cfg.train.output_dir), log).load_factors
-    plan = model_lib.plan(model, sharder, cfg, env, load_factors)
-    # cache sizes from the plan's shards: sharding=auto may place a table whole on one rank
-    slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth,
-                                         shard_rows=model_lib.shard_rows(plan))
-    if notes and log_config:
-        log.info("%s", model_lib.describe_growth(notes, depth))
+        cache_plan = plan_run_caches(cfg, model, sharder, pre, tables, env.world_size, env.local_world_size,
+                                     env.device, depth, Path(cfg.train.output_dir), log)
+        # the plan's load factors for TorchRec's plan, its slots (each at least its floor,
+        # an integer) for the stores, which take them as they are
+        load_factors, slots = cache_plan.load_factors, dict(cache_plan.slots)
+        plan = model_lib.plan(model, sharder, cfg, env, load_factors)
+    else:
+        plan = model_lib.plan(model, sharder, cfg, env, load_factors)
+        # cache sizes from the plan's shards: sharding=auto may place a table whole on one rank
+        slots, notes = model_lib.cache_slots(tables, cfg, env.world_size, env.local_world_size, depth,
+                                             shard_rows=model_lib.shard_rows(plan))
+        if notes and log_config:
+            log.info("%s", model_lib.describe_growth(notes, depth))
     dmp = model_lib.shard(model, model_lib.with_slots(sharder, slots), cfg, env, plan)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
 
-    return Trainer(cfg, env, dmp, optimizer, pipeline, data, checkpointer, log)
+    trainer = Trainer(cfg, env, dmp, optimizer, pipeline, data, checkpointer, log)
+    shards: List[Any] = [None] * env.world_size
+    dist.all_gather_object(shards, model_lib.cache_slots_of(dmp))
+    trainer.summary.cache_slots = model_lib.table_slots(shards)
+    return trainer
 
 
 def describe_link(cfg: Config) -> str:
@@ -102,6 +118,13 @@ def format_steady(w: Dict[str, Any]) -> str:
     # Which steps: the figures are not those of the last log window (the first steps, lazy
     # init and cold caches, are left out; a resumed run counts only what it trained).
     span = f"over steps {w['from_step'] + 1}-{w['from_step'] + w['steps']}: " if "from_step" in w else ""
-    return (f"{span}{w['samples_per_s']:.0f} samples/s, {w['step_ms']:.1f} ms/step, stall "
+    text = (f"{span}{w['samples_per_s']:.0f} samples/s, {w['step_ms']:.1f} ms/step, stall "
             f"{w['stall_ms_per_step']:.2f} ms/step, hit rate {w['hit_rate']:.3f}")
+    if "rows_fetched_per_step" in w:  # (windows saved by older versions have none)
+        fetched, at_lookup = w["rows_fetched_per_step"], w.get("rows_fetched_at_lookup_per_step", 0.0)
+        share = f" ({100.0 * at_lookup / fetched:.0f}%)" if fetched else ""
+        text += (f", rows fetched {fetched:.1f}/step/rank, {at_lookup:.1f} of them at lookup{share}, "
+                 f"{int(w.get('deferred_batches', 0))} deferred batches, "
+                 f"{w.get('overflow_rows_per_step', 0.0):.1f} overflow rows/step")
+    return text
 

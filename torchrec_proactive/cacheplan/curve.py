@@ -13,17 +13,25 @@ breaks the ties between rows last used in the same batch.) One pass with a Fenwi
 positions (a mark at each row's latest position) gives every ``d``, hence the curve for every
 cache size at once. Below ``pinned_rows`` batches cannot be planned ahead (they wait for
 pins or are served from the host tier): the curve says 1.0 there.
+
+The store's device planner (``TieredTable(planner="device")``, CUDA) pins more: until a
+batch's sizes come back to the host it counts the batch as pinning one slot per id (repeats
+included), so its floor is ``pinned_ids``, the most ids of any ``k + 1`` consecutive batches
+(at most the table's rows). :meth:`MissRatioCurve.for_planner` gives the curve with the
+floor of the planner a run uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
 from torchrec.distributed.types import CacheStatistics
 
-__all__ = ["reuse_distances", "pinned_rows", "MissRatioCurve"]
+__all__ = ["reuse_distances", "pinned_rows", "pinned_ids", "MissRatioCurve"]
 
 #: At most this many points are kept per curve (exact for tables up to this many rows).
 MAX_POINTS = 4097
@@ -90,6 +98,19 @@ def pinned_rows(steps: Sequence[np.ndarray], depth: int) -> int:
                 for t in range(len(batches) - width + 1)), default=0)
 
 
+def pinned_ids(steps: Sequence[np.ndarray], depth: int) -> int:
+    """Most ids (repeats included) of any ``depth + 1`` consecutive batches: the slots the
+    device planner counts those batches as pinning while their sizes are not back yet."""
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0, got {depth!r}")
+    counts = np.array([np.asarray(ids).size for ids in steps], dtype=np.int64)
+    width = min(depth + 1, counts.size)
+    if not width:
+        return 0
+    sums = np.convolve(counts, np.ones(width, dtype=np.int64), mode="valid")
+    return int(sums.max())
+
+
 @dataclass(frozen=True)
 class MissRatioCurve(CacheStatistics):
     """TorchRec's ``CacheStatistics`` for one table (or shard) at one prefetch depth.
@@ -108,6 +129,11 @@ class MissRatioCurve(CacheStatistics):
     pinned_rows: int
     sizes: tuple = field(repr=False)
     hits: tuple = field(repr=False)
+    pinned_ids: int = -1  # -1: not measured (a curve made before it was): taken as pinned_rows
+
+    def __post_init__(self) -> None:
+        if self.pinned_ids < 0:
+            object.__setattr__(self, "pinned_ids", self.pinned_rows)
 
     @classmethod
     def from_steps(cls, steps: Sequence[np.ndarray], num_rows: int, depth: int = 0, warmup: int = 0,
@@ -129,7 +155,7 @@ class MissRatioCurve(CacheStatistics):
         hits = np.searchsorted(warm, sizes, side="left")  # distances < size
         return cls(num_rows=int(num_rows), depth=int(depth), num_batches=len(counted), accesses=int(d.size),
                    pinned_rows=pinned_rows(steps, depth), sizes=tuple(int(s) for s in sizes),
-                   hits=tuple(int(h) for h in hits))
+                   hits=tuple(int(h) for h in hits), pinned_ids=min(pinned_ids(steps, depth), int(num_rows)))
 
     @classmethod
     def combine_shards(cls, shards: Sequence["MissRatioCurve"], max_points: int = MAX_POINTS) -> "MissRatioCurve":
@@ -143,11 +169,21 @@ class MissRatioCurve(CacheStatistics):
         if clfs.size > max_points:
             clfs = np.unique(np.concatenate([clfs[np.linspace(0, clfs.size - 1, max_points).round().astype(int)]]))
         floor = max(s.min_load_factor for s in shards)
+        id_floor = max(s.pinned_ids / s.num_rows for s in shards)
         hits = [sum(s.hit_rows(c * s.num_rows) for s in shards) if c >= floor else 0.0 for c in clfs]
         sizes = [c * num_rows for c in clfs]
         return cls(num_rows=num_rows, depth=shards[0].depth, num_batches=shards[0].num_batches,
                    accesses=sum(s.accesses for s in shards), pinned_rows=int(np.ceil(floor * num_rows - 1e-9)),
-                   sizes=tuple(float(x) for x in sizes), hits=tuple(float(h) for h in hits))
+                   sizes=tuple(float(x) for x in sizes), hits=tuple(float(h) for h in hits),
+                   pinned_ids=min(num_rows, int(np.ceil(id_floor * num_rows - 1e-9))))
+
+    def for_planner(self, on_device: bool) -> "MissRatioCurve":
+        """This curve with the floor of the store's planner: ``pinned_rows`` on the host
+        planner (itself), ``max(pinned_rows, pinned_ids)`` on the device planner (which
+        counts a batch by its ids until its sizes come back)."""
+        if not on_device or self.pinned_ids <= self.pinned_rows:
+            return self
+        return dataclasses.replace(self, pinned_rows=min(self.num_rows, self.pinned_ids))
 
     # -- TorchRec's CacheStatistics -----------------------------------------------------------
 
@@ -155,27 +191,41 @@ class MissRatioCurve(CacheStatistics):
     def expected_lookups(self) -> float:
         return self.accesses / self.num_batches if self.num_batches else 0.0
 
+    # (The planners call these a few hundred thousand times: the points are made arrays once.)
+    @cached_property
+    def _points(self) -> "tuple[np.ndarray, np.ndarray]":
+        return np.asarray(self.sizes, dtype=np.float64), np.asarray(self.hits, dtype=np.float64)
+
     def hit_rows(self, num_slots: float) -> float:
         """Warm accesses a cache of ``num_slots`` slots hits (0 below ``pinned_rows``)."""
         if num_slots < self.pinned_rows:
             return 0.0
-        return float(np.interp(num_slots, self.sizes, self.hits))
+        sizes, hits = self._points
+        return float(np.interp(num_slots, sizes, hits))
 
     def expected_miss_rate(self, clf: float) -> float:
         """Misses per distinct row looked up with ``clf x num_rows`` slots: 1 at 0, 0 at 1
-        (TorchRec's contract: a load factor of 1 is the table resident, nothing fetched)."""
+        (TorchRec's contract: a load factor of 1 is the table resident, nothing fetched).
+        1.0 also below ``min_load_factor``: a cache that cannot hold the rows ``depth + 1``
+        batches pin cannot be planned ahead, and the planner never sizes one there."""
         if clf >= 1.0:
             return 0.0
         if clf <= 0.0 or not self.accesses:
             return 1.0 if clf <= 0.0 else 0.0
         return 1.0 - self.hit_rows(clf * self.num_rows) / self.accesses
 
-    @property
+    @cached_property
     def cacheability(self) -> float:
         """Area under the miss-ratio curve over load factors 0..1 (0: trivially cacheable,
         1: every lookup misses at any size), as TorchRec's ``EmbeddingOffloadStats`` defines it."""
         # the mean over load factors in [0, 1) (the cold misses stay up to the end)
-        return float(np.mean([self.expected_miss_rate(x) for x in (np.arange(256) + 0.5) / 256]))
+        if not self.accesses:
+            return 0.0
+        clfs = (np.arange(256) + 0.5) / 256
+        sizes, hits = self._points
+        slots = clfs * self.num_rows
+        hit = np.where(slots < self.pinned_rows, 0.0, np.interp(slots, sizes, hits))
+        return float(np.mean(1.0 - hit / self.accesses))
 
     @property
     def min_load_factor(self) -> float:
@@ -186,20 +236,20 @@ class MissRatioCurve(CacheStatistics):
 
     def to_dict(self) -> Dict[str, Any]:
         return {"num_rows": self.num_rows, "depth": self.depth, "num_batches": self.num_batches,
-                "accesses": self.accesses, "pinned_rows": self.pinned_rows, "sizes": list(self.sizes),
-                "hits": list(self.hits)}
+                "accesses": self.accesses, "pinned_rows": self.pinned_rows, "pinned_ids": self.pinned_ids,
+                "sizes": list(self.sizes), "hits": list(self.hits)}
 
     @classmethod
     def from_dict(cls, doc: Dict[str, Any]) -> "MissRatioCurve":
         c = cls(num_rows=int(doc["num_rows"]), depth=int(doc["depth"]), num_batches=int(doc["num_batches"]),
                 accesses=int(doc["accesses"]), pinned_rows=int(doc["pinned_rows"]),
-                sizes=tuple(doc["sizes"]), hits=tuple(doc["hits"]))
+                sizes=tuple(doc["sizes"]), hits=tuple(doc["hits"]), pinned_ids=int(doc.get("pinned_ids", -1)))
         if len(c.sizes) != len(c.hits) or not c.sizes or any(h > c.accesses for h in c.hits):
             raise ValueError("cache profile: a curve's sizes and hits do not match")
         return c
 
     def __hash__(self) -> int:  # (frozen dataclass of tuples: hashable; CacheParams hashes without it)
-        return hash((self.num_rows, self.depth, self.accesses, self.pinned_rows))
+        return hash((self.num_rows, self.depth, self.accesses, self.pinned_rows, self.pinned_ids))
 
 
 def shard_steps(steps: Sequence[np.ndarray], lo: int, hi: int) -> List[np.ndarray]:

@@ -15,15 +15,29 @@ goes in through the planner's extension points (its estimator list), not a copy 
 
 The cache *sizes* are planned on a device topology whose device memory is the budget
 (``hbm_cap``): on CUDA the memory left over, on CPU - where TorchRec plans no device memory -
-``cache.budget_bytes``, so the same planning runs in CI. Only the chosen load factors leave
-this module; the run's own plan is then built as before, with those factors.
+``cache.budget_bytes``, so the same planning runs in CI. The chosen sizes leave this module
+as slots per table (:attr:`CachePlan.slots`), each at least the curve's floor by
+construction: the planner's load factor turned into slots as the store turns it
+(``ProactiveOptions.slots_for``), then raised to the floor - an integer, never a factor that
+rounds below it. The load factors (at most 0.999, as TorchRec's planner takes them) go into
+the run's own plan; the slots go to the sharder (``num_slots``, which wins over them).
+
+A budget is checked before TorchRec's planner runs: :func:`minimum_budget_bytes` is the
+smallest budget per device at which TorchRec's own partitioner places every table's cache at
+its floor, as TorchRec's storage model counts it (a budget that many bytes has a plan);
+anything less is refused in one line naming it.
+The curves measure whole tables, so the tables are planned table- or column-wise (every
+shard holds every row, and with it the table's floor); pass ``sharding_types`` with
+row-wise curves (``MissRatioCurve.combine_shards``) to let the planner split rows.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +47,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
 from torchrec.distributed.planner.proposers import (EmbeddingOffloadScaleupProposer, GreedyProposer,
                                                     UniformProposer)
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
@@ -42,22 +57,30 @@ from torchrec.distributed.planner.types import (KernelConfig, PlannerError, Shar
 from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingPlan
 
 from ..bench.step_model import StageCosts, step_s
+from ..integration.options import ProactiveOptions
 from ..planning import find_ebcs, planner_warnings
 from .curve import MissRatioCurve
 from .proposer import MissCurveProposer
 
 __all__ = ["CachePlan", "CacheBudgetError", "ProactivePerfEstimator", "ProactiveStorageEstimator",
-           "plan_cache_sizes"]
+           "plan_cache_sizes", "minimum_budget_bytes", "planned_slots", "budget_refusal", "WHOLE_ROW_SHARDINGS"]
 
 _CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 #: TorchRec's planner takes cache load factors strictly below 1; a table the proposer
 #: promotes to resident (``fused``) gets this one (every row but rounding).
 MAX_PLANNED_LOAD_FACTOR = 0.999
+#: Sharding types whose every shard holds all of its table's rows (so a whole-table curve's
+#: floor is each shard's): what the app's profiles, which measure whole tables, plan.
+WHOLE_ROW_SHARDINGS = ("table_wise", "column_wise")
 LOG = logging.getLogger("torchrec_proactive.cacheplan")
 
 
 class CacheBudgetError(ValueError):
     """The device budget cannot hold the pinned rows of ``depth + 1`` batches."""
+
+    def __init__(self, message: str, minimum_bytes: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
 
 
 def _curve(option: ShardingOption) -> Optional[MissRatioCurve]:
@@ -119,40 +142,143 @@ class ProactiveStorageEstimator(EmbeddingStorageEstimator):
 
 @dataclass(frozen=True)
 class CachePlan:
-    """The planner's per-table cache load factors under one budget (bytes per device)."""
+    """The planner's per-table cache sizes under one budget (bytes per device).
+
+    ``slots[t]``: the rows table ``t``'s cache holds (in each shard; every shard of a table-
+    or column-wise plan holds all its rows), never below the curve's floor ``min_slots[t]``;
+    give them to the sharder (``num_slots``), which takes them as they are.
+    ``load_factors[t]``: the same size as a load factor for TorchRec's plan (``slots / rows``,
+    at most 0.999, which is all TorchRec's planner takes: a whole-table cache is 0.999 there
+    and every row in ``slots``). ``min_budget_bytes``: :func:`minimum_budget_bytes`.
+    """
 
     budget_bytes: int
     prefetch_depth: int
     load_factors: Dict[str, float]
     cache_bytes: Dict[str, int]  # device bytes of each table's cache rows (all shards)
+    slots: Dict[str, int] = field(default_factory=dict)
+    min_slots: Dict[str, int] = field(default_factory=dict)
+    min_budget_bytes: int = 0
 
     def describe(self) -> str:
         """The plan log's one line."""
-        shown = ", ".join(f"{t}={lf:.3f}" for t, lf in sorted(self.load_factors.items()))
+        shown = ", ".join(f"{t}={self.slots[t]}" if t in self.slots else f"{t}={lf:.3f}"
+                          for t, lf in sorted(self.load_factors.items()))
         return (f"cache plan (TorchRec planner, EmbeddingOffloadScaleup + miss-curve proposers, depth {self.prefetch_depth}, budget "
-                f"{self.budget_bytes} bytes/device): cache rows {sum(self.cache_bytes.values())} bytes on all devices; "
-                f"load factors {shown}")
+                f"{self.budget_bytes} bytes/device, at least {self.min_budget_bytes}): cache rows "
+                f"{sum(self.cache_bytes.values())} bytes on all devices; slots {shown}")
 
 
 def _row_bytes(option_or_cfg: object) -> int:
     return int(option_or_cfg.embedding_dim) * 4  # type: ignore[attr-defined]  # fp32 rows
 
 
-def _largest(need: Mapping[str, int], n: int = 6) -> str:
-    worst = sorted(need.items(), key=lambda kv: -kv[1])
-    return ", ".join(f"{t}: {b}" for t, b in worst[:n]) + (f" and {len(worst) - n} more" if len(worst) > n else "")
+def planned_slots(curve: MissRatioCurve, load_factor: Optional[float], name: str = "") -> int:
+    """The slots of a cache the planner gave ``load_factor`` (``None``: promoted to resident,
+    the whole table): the load factor turned into slots as the store turns it
+    (``ProactiveOptions.slots_for``), raised to the curve's floor ``pinned_rows`` - an
+    integer comparison, so a factor that rounds below the floor cannot leave it there."""
+    rows = curve.num_rows
+    by_factor = rows if load_factor is None else ProactiveOptions().slots_for(name, rows, min(1.0, load_factor))
+    return min(rows, max(by_factor, curve.pinned_rows))
 
 
-def check_budget(curves: Mapping[str, MissRatioCurve], dims: Mapping[str, int], budget_bytes: int,
-                 world_size: int, depth: int) -> None:
-    """Refuses (one line) a budget that cannot hold the pinned rows of ``depth + 1`` batches."""
-    need = {t: c.pinned_rows * dims[t] * 4 for t, c in curves.items()}
-    total = sum(need.values())
-    if total > budget_bytes * world_size:
-        shown = _largest(need)
-        raise CacheBudgetError(
-            f"cache.budget_bytes={budget_bytes} x {world_size} device(s) = {budget_bytes * world_size} bytes cannot hold "
-            f"the rows pinned by prefetch depth {depth} ({depth + 1} batches in flight): {total} bytes needed ({shown})")
+def _floor_load_factor(curve: MissRatioCurve) -> float:
+    """The floor as TorchRec's planner takes a load factor (in ``(0, 0.999]``)."""
+    return min(max(curve.min_load_factor, 1.0 / curve.num_rows), MAX_PLANNED_LOAD_FACTOR)
+
+
+def _planner_parts(model: nn.Module, sharder: EmbeddingBagCollectionSharder, curves: Mapping[str, MissRatioCurve],
+                   budget_bytes: int, prefetch_depth: int, world_size: int, local_size: int, device_type: str,
+                   batch_size: Optional[int], sharding_types: Optional[Sequence[str]]):
+    types = [t for t in sharder.sharding_types(device_type) if _CACHED in sharder.compute_kernels(t, device_type)
+             and (sharding_types is None or t in sharding_types)]
+    if not types:
+        raise ValueError(f"sharding_types={list(sharding_types or [])} leaves no sharding type the sharder offers "
+                         f"for {_CACHED} on {device_type}")
+    constraints: Dict[str, ParameterConstraints] = {}
+    for name, curve in curves.items():
+        constraints[name] = ParameterConstraints(
+            sharding_types=types, compute_kernels=[_CACHED],
+            cache_params=CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=_floor_load_factor(curve), stats=curve))
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(world_size=world_size, local_world_size=local_size, hbm_cap_bytes=int(budget_bytes)),
+        kernel_config=KernelConfig(compute_device="cuda"),
+    )
+    enumerator = EmbeddingEnumerator(
+        topology=topology, batch_size=batch_size or BATCH_SIZE, constraints=constraints,
+        estimator=[ProactivePerfEstimator(topology, constraints, prefetch_depth=prefetch_depth),
+                   ProactiveStorageEstimator(topology, constraints)])
+    return types, constraints, topology, enumerator
+
+
+def _floor_proposal(model: nn.Module, sharder: EmbeddingBagCollectionSharder, curves: Mapping[str, MissRatioCurve],
+                    enumerator: EmbeddingEnumerator, types: Sequence[str]) -> List[ShardingOption]:
+    """Every table's cache at its floor, as TorchRec's ``UniformProposer`` proposes it: the
+    table-wise option of each (when the planner may shard table-wise; else each table's
+    option of least device bytes), with TorchRec's storage estimates."""
+    options = enumerator.enumerate(model, [sharder])  # type: ignore[list-item]
+    out: List[ShardingOption] = []
+    for name in curves:
+        mine = [o for o in options if o.name == name and o.compute_kernel == _CACHED]
+        if "table_wise" in types:
+            mine = [o for o in mine if o.sharding_type == "table_wise"] or mine
+        out.append(min(mine, key=lambda o: (sum(s.storage.hbm for s in o.shards),  # type: ignore[union-attr]
+                                            max(s.perf.total for s in o.shards))))  # type: ignore[union-attr]
+    return out
+
+
+def _places(proposal: Sequence[ShardingOption], capacity: int, world_size: int, local_size: int) -> bool:
+    """Whether TorchRec's planner's partitioner places ``proposal`` on devices of ``capacity``
+    device bytes each."""
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(world_size=world_size, local_world_size=local_size, hbm_cap_bytes=int(capacity)),
+        kernel_config=KernelConfig(compute_device="cuda"))
+    try:
+        GreedyPerfPartitioner().partition(copy.deepcopy(list(proposal)), topology)
+    except PlannerError:
+        return False
+    return True
+
+
+def minimum_budget_bytes(proposal: Sequence[ShardingOption], world_size: int, local_size: Optional[int] = None,
+                         reserve: float = 0.0) -> int:
+    """The smallest budget per device at which TorchRec's planner places ``proposal`` (every
+    cache at its floor: :func:`_floor_proposal`) with its own partitioner, found by bisection
+    and checked: a budget of this many bytes has a plan. Between the bounds every placement
+    needs (the largest shard; an even share) and one that always has one (any order of
+    placing shards on a device they fit: ``(total - s) / W + s`` for every shard ``s``).
+    Divided by ``1 - reserve`` (the share a budget keeps back)."""
+    local_size = local_size or world_size
+    sizes = [int(s.storage.hbm) for o in proposal for s in o.shards]  # type: ignore[union-attr]
+    if not sizes:
+        return 1
+    total, largest = sum(sizes), max(sizes)
+    lo = max(largest, math.ceil(total / world_size)) - 1  # does not place (or is the bound's own -1)
+    hi = max(lo + 1, math.ceil((total - largest) / world_size + largest))
+    while not _places(proposal, hi, world_size, local_size):  # (the bound places whatever the order)
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _places(proposal, mid, world_size, local_size):
+            hi = mid
+        else:
+            lo = mid
+    return max(1, math.ceil(hi / (1.0 - reserve)))
+
+
+def budget_refusal(budget_bytes: object, minimum: int, floors: Mapping[str, int], depth: int,
+                   world_size: int, what: str = "") -> CacheBudgetError:
+    """The one line that refuses ``budget_bytes`` below ``minimum`` (``floors``: each
+    table's floor in slots)."""
+    worst = sorted(floors.items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{t}: {n}" for t, n in worst[:4]) + (f" and {len(worst) - 4} more" if len(worst) > 4 else "")
+    return CacheBudgetError(
+        f"cache.budget_bytes={budget_bytes} is below the minimum of {minimum} bytes per device for prefetch depth "
+        f"{depth}: each table's cache must hold the rows {depth + 1} batches in flight pin ({sum(floors.values())} "
+        f"slots in all; {shown}), which TorchRec's storage model counts with optimizer state and I/O buffers, placed "
+        f"on {world_size} device(s){what}; give cache.budget_bytes >= {minimum} (profile-cache prints it)",
+        minimum_bytes=minimum)
 
 
 def plan_cache_sizes(
@@ -166,17 +292,26 @@ def plan_cache_sizes(
     device_type: str = "cpu",
     batch_size: Optional[int] = None,
     pg: Optional[dist.ProcessGroup] = None,
+    sharding_types: Optional[Sequence[str]] = WHOLE_ROW_SHARDINGS,
+    minimum_only: bool = False,
 ) -> CachePlan:
-    """Load factors for every table in ``curves`` (the model's other tables are planned as
+    """Cache sizes for every table in ``curves`` (the model's other tables are planned as
     usual), chosen by TorchRec's planner on a device topology of ``budget_bytes`` per device.
 
     ``budget_bytes=None`` (CUDA only): the device's memory, less TorchRec's usual 15% for the
     dense part - the HBM the other tables leave is what the caches get.
 
-    Raises :class:`CacheBudgetError` (one line naming tables and bytes) when the budget
-    cannot hold the rows of ``prefetch_depth + 1`` batches.
+    ``sharding_types``: those the planner may use (default: table- and column-wise, whose
+    shards hold every row, as whole-table curves measure them; ``None``: every type the
+    sharder offers, for curves of row-wise shards). ``minimum_only``: only the check, an
+    empty plan with ``min_budget_bytes`` (what ``profile-cache`` prints without a budget).
+
+    Raises :class:`CacheBudgetError` (one line naming ``cache.budget_bytes``, its value and
+    the minimum in bytes, also in ``.minimum_bytes``) when the budget is below
+    :func:`minimum_budget_bytes` of the caches at their floors.
     """
     reserve = 0.0  # a given budget is for the embedding tables alone: nothing reserved
+    given = budget_bytes
     if budget_bytes is None:
         if device_type != "cuda" or not torch.cuda.is_available():
             raise ValueError("cache.budget_bytes=-1 (the device memory left over) needs a CUDA device; "
@@ -192,27 +327,22 @@ def plan_cache_sizes(
         if c.num_rows != configs[name].num_embeddings:
             raise ValueError(f"cache profile: table '{name}' has {c.num_rows} rows in the profile but "
                              f"{configs[name].num_embeddings} in the model (profile again)")
-    check_budget(curves, {t: configs[t].embedding_dim for t in curves}, int(budget_bytes * (1 - reserve)), world_size,
-                 prefetch_depth)
     local_size = local_size or world_size
-    types = [t for t in sharder.sharding_types(device_type) if _CACHED in sharder.compute_kernels(t, device_type)]
-    constraints: Dict[str, ParameterConstraints] = {}
-    for name, curve in curves.items():
-        start = min(max(curve.min_load_factor, 1.0 / curve.num_rows), MAX_PLANNED_LOAD_FACTOR)
-        constraints[name] = ParameterConstraints(
-            sharding_types=types, compute_kernels=[_CACHED],
-            cache_params=CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=start, stats=curve))
-    topology = TopologyFactory.create_topology(
-        TrainerConfig(world_size=world_size, local_world_size=local_size, hbm_cap_bytes=int(budget_bytes)),
-        kernel_config=KernelConfig(compute_device="cuda"),
-    )
-    enumerator = EmbeddingEnumerator(
-        topology=topology, batch_size=batch_size or BATCH_SIZE, constraints=constraints,
-        estimator=[ProactivePerfEstimator(topology, constraints, prefetch_depth=prefetch_depth),
-                   ProactiveStorageEstimator(topology, constraints)])
+    types, constraints, topology, enumerator = _planner_parts(
+        model, sharder, curves, int(budget_bytes * (1 - reserve)), prefetch_depth, world_size, local_size,
+        device_type, batch_size, sharding_types)
+    minimum = minimum_budget_bytes(_floor_proposal(model, sharder, curves, enumerator, types), world_size, local_size,
+                                   reserve)
+    floors = {t: c.pinned_rows for t, c in curves.items()}
+    if minimum_only:
+        return CachePlan(budget_bytes=int(budget_bytes), prefetch_depth=prefetch_depth, load_factors={},
+                         cache_bytes={}, min_slots=floors, min_budget_bytes=minimum)
+    shown_budget = budget_bytes if given is not None else f"-1 (the device memory left over: {budget_bytes})"
+    if budget_bytes < minimum:
+        raise budget_refusal(shown_budget, minimum, floors, prefetch_depth, world_size)
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch_size, constraints=constraints, enumerator=enumerator,
-        storage_reservation=FixedPercentageStorageReservation(reserve),
+        storage_reservation=FixedPercentageStorageReservation(0.0),
         # TorchRec's proposers, and ours that splits the budget along the measured curves;
         # the planner keeps the plan its perf model (proactive costs) rates best
         proposer=[GreedyProposer(), UniformProposer(), EmbeddingOffloadScaleupProposer(), MissCurveProposer()],
@@ -221,28 +351,27 @@ def plan_cache_sizes(
         with planner_warnings():
             plan = (planner.collective_plan(model, [sharder], pg) if pg is not None
                     else planner.plan(model, [sharder]))
-    except PlannerError as e:
-        need = {t: c.pinned_rows * configs[t].embedding_dim * 4 for t, c in curves.items()}
+    except PlannerError as e:  # (the minimum has a placement; a larger budget is not expected to have none)
         raise CacheBudgetError(
-            f"cache.budget_bytes={budget_bytes}: TorchRec's planner found no placement of the cached tables "
-            f"at prefetch depth {prefetch_depth} (pinned rows need {sum(need.values())} bytes: {_largest(need)}; "
-            f"TorchRec also counts optimizer state and I/O buffers): {str(e).splitlines()[0][:160]}") from None
-    return _read_plan(plan, curves, configs, budget_bytes, prefetch_depth)
+            f"cache.budget_bytes={shown_budget}: TorchRec's planner found no placement of the caches at their floors "
+            f"(at least {minimum} bytes per device; its partitioner placed them at that budget): "
+            f"{str(e).splitlines()[0][:160]}", minimum_bytes=minimum) from None
+    out = _read_plan(plan, curves, configs, int(budget_bytes), prefetch_depth)
+    return CachePlan(budget_bytes=out.budget_bytes, prefetch_depth=prefetch_depth, load_factors=out.load_factors,
+                     cache_bytes=out.cache_bytes, slots=out.slots, min_slots=floors, min_budget_bytes=minimum)
 
 
 def _read_plan(plan: ShardingPlan, curves: Mapping[str, MissRatioCurve], configs: Mapping[str, object],
                budget_bytes: int, depth: int) -> CachePlan:
-    factors: Dict[str, float] = {}
+    slots: Dict[str, int] = {}
     for module_plan in plan.plan.values():
         for name, ps in module_plan.items():  # type: ignore[union-attr]
             if name not in curves:
                 continue
             lf = ps.cache_params.load_factor if ps.cache_params is not None else None
             # promoted to resident (fused) by the proposer: the whole table
-            lf = MAX_PLANNED_LOAD_FACTOR if (ps.compute_kernel != _CACHED or lf is None) else lf
-            factors[name] = float(min(max(lf, curves[name].min_load_factor), MAX_PLANNED_LOAD_FACTOR))
-    cache_bytes = {t: int(round(lf * configs[t].num_embeddings)) * _row_bytes(configs[t])  # type: ignore[attr-defined]
-                   for t, lf in factors.items()}
+            slots[name] = planned_slots(curves[name], None if ps.compute_kernel != _CACHED else lf, name)
+    factors = {t: min(n / curves[t].num_rows, MAX_PLANNED_LOAD_FACTOR) for t, n in slots.items()}
+    cache_bytes = {t: n * _row_bytes(configs[t]) for t, n in slots.items()}
     return CachePlan(budget_bytes=int(budget_bytes), prefetch_depth=depth, load_factors=factors,
-                     cache_bytes=cache_bytes)
-
+                     cache_bytes=cache_bytes, slots=slots)

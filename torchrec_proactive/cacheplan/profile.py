@@ -21,7 +21,9 @@ from .curve import MissRatioCurve, shard_steps
 __all__ = ["table_ids", "profile_batches", "fingerprint", "save_profile", "load_profile", "PROFILE_FILE"]
 
 PROFILE_FILE = "cache_profile.json"
-_VERSION = 1
+# 2: curves carry pinned_ids; multi-rank profiles measure whole global batches (version 1's
+# measured rank 0's share of each, so its floors were too low for runs on several ranks).
+_VERSION = 2
 
 
 def table_ids(kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig]) -> Dict[str, np.ndarray]:
@@ -73,7 +75,8 @@ def save_profile(path: Path, curves: Mapping[str, MissRatioCurve], fp: str, meta
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"version": _VERSION, "fingerprint": fp, **(meta or {}),
            "tables": {name: {"expected_lookups": c.expected_lookups, "cacheability": c.cacheability,
-                             "min_load_factor": c.min_load_factor, "curve": c.to_dict()}
+                             "min_load_factor": c.min_load_factor, "min_slots": c.pinned_rows,
+                             "min_slots_device_planner": max(c.pinned_rows, c.pinned_ids), "curve": c.to_dict()}
                       for name, c in curves.items()}}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=1))

@@ -228,14 +228,25 @@ class CacheConfig:
     eviction_policy: str = "lru"
     """``lru`` or ``lfu`` for slots that no in-flight batch pins."""
     fit_depth: bool = True
-    """Grow caches that cannot hold ``depth + 1`` batches of rows (small tables, tiny load
-    factors) to that size, logging each change, instead of failing at the first batch."""
+    """Grow caches that cannot hold ``depth + 1`` batches of ids (small tables, tiny load
+    factors) to that size, logging each change, instead of failing at the first batch. The
+    depth is ``sized_for_depth`` (default: the run's own), so runs at different depths get
+    different caches unless that is set (a ``-m`` sweep over the depth sets it)."""
+    sized_for_depth: Optional[int] = None
+    """The prefetch depth the caches are sized for: ``fit_depth``'s growth and, with
+    ``budget_bytes``, the floors the planner keeps (the rows ``depth + 1`` batches pin).
+    ``None``: the run's own (``prefetch.depth``; ``prefetch.max_depth`` with ``auto``; 0 with
+    ``off``). At least that depth. A ``-m`` sweep whose jobs run different depths sets it to
+    the largest for every job, so that the caches stay the same and only the depth differs."""
     budget_bytes: int = 0
-    """0: every table gets ``load_factor``. > 0 (with ``sharding.type=auto``): per-table load
-    factors chosen by TorchRec's planner from the data's miss-ratio curves (see
+    """0: every table gets ``load_factor``. > 0 (with ``sharding.type=auto``): per-table cache
+    sizes chosen by TorchRec's planner from the data's miss-ratio curves (see
     ``torchrec-proactive profile-cache``) under this many device bytes per rank, as TorchRec's
-    storage model counts them (cache rows, their optimizer state, I/O buffers). -1 (CUDA
-    only): the device memory the other tables leave, after TorchRec's 15% for the dense part."""
+    storage model counts them (cache rows, their optimizer state, I/O buffers); never below
+    the rows ``depth + 1`` batches pin, and a budget that cannot hold those is refused, naming
+    the minimum (``profile-cache`` prints it too). ``load_factor`` and ``fit_depth`` are then
+    unused. -1 (CUDA only): the device memory the other tables leave, after TorchRec's 15% for
+    the dense part."""
     profile_batches: int = 200
     """Global batches sampled from the training data to measure the miss-ratio curves."""
     profile_path: str = ""
@@ -245,6 +256,7 @@ class CacheConfig:
         if not 0.0 < self.load_factor <= 1.0:
             _fail("cache.load_factor", self.load_factor, "must be in (0, 1]")
         _at_least("cache.budget_bytes", self.budget_bytes, -1)
+        _at_least("cache.sized_for_depth", self.sized_for_depth, 0)
         _at_least("cache.profile_batches", self.profile_batches, 2)
         _choice("cache.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
 
@@ -371,10 +383,19 @@ class Config:
             _fail("cache.budget_bytes", self.cache.budget_bytes,
                   f"needs sharding.type='auto' and sharding.kernel='fused_uvm_caching' (the planner chooses the "
                   f"cache sizes), got sharding.type={self.sharding.type!r}, sharding.kernel={self.sharding.kernel!r}")
+        if self.cache.sized_for_depth is not None and self.cache.sized_for_depth < self.prefetch.capacity_depth:
+            _fail("cache.sized_for_depth", self.cache.sized_for_depth,
+                  f"must be >= the run's prefetch depth {self.prefetch.capacity_depth} (the caches must hold depth + 1 "
+                  f"batches; leave it unset to size them for the run's own depth)")
         if self.sharding.kernel == "fused" and self.prefetch.capacity_depth != 0:
             _fail("prefetch.mode", self.prefetch.mode,
                   "must be 'off' (or 'fixed' with depth 0) with sharding.kernel='fused' (stock tables have "
                   "nothing to prefetch)")
+
+    @property
+    def cache_depth(self) -> int:
+        """The prefetch depth the caches are sized for (``cache.sized_for_depth`` or the run's own)."""
+        return self.prefetch.capacity_depth if self.cache.sized_for_depth is None else self.cache.sized_for_depth
 
 
 GROUPS = {

@@ -69,6 +69,11 @@ class ProactiveOptions:
             raise ValueError(f"table '{table}': cache load factor must be in (0, 1], got {load_factor}")
         return max(1, int(round(load_factor * local_rows)))
 
+    def slots_for(self, table: str, local_rows: int, load_factor: float) -> int:
+        """The slots a shard of ``local_rows`` rows caches: :meth:`num_slots_for`, at most its
+        rows (what the kernel gives each table of its store)."""
+        return min(self.num_slots_for(table, local_rows, load_factor), local_rows)
+
     def hot_rows_for(self, table: str, row_offset: int, local_rows: int) -> Optional[torch.Tensor]:
         """The table's hot rows that fall in this shard, as local ids."""
         rows = self.hot_rows.get(table)

@@ -105,8 +105,8 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     ) -> ProactiveShardedEmbeddingBagCollection:
         marked = self._mark_cached_tables(module, params)
         if not self._announced and getattr(env, "rank", 0) == 0:
-            self._announced = True  # once per sharder, on one rank
-            self.announce(marked)
+            self._announced = True  # once per sharder (a model's), on one rank
+            self.announce(marked, self.options)
         return ProactiveShardedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=marked,
@@ -120,15 +120,20 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
 
     @staticmethod
-    def announce(params: Mapping[str, ParameterSharding]) -> int:
-        """Says how many tables of a plan are proactive (an INFO log line) and, when none is,
-        why and what to change (a ``UserWarning``: the pipeline would otherwise run stock
-        with nothing to prefetch, silently). Returns the number of proactive tables."""
+    def announce(params: Mapping[str, ParameterSharding], options: Optional[ProactiveOptions] = None) -> int:
+        """Says which tables of a plan are proactive, each with the rows its cache holds of
+        its rows (one WARNING log line, so that it shows without any logging set up) and,
+        when none is, why and what to change (a ``UserWarning``: the pipeline would
+        otherwise run stock with nothing to prefetch, silently). Returns the number of
+        proactive tables."""
         kernels = Counter(ps.compute_kernel for ps in params.values())
         proactive = kernels.get(_CACHED, 0)
         if proactive:
-            _LOG.info("torchrec-proactive: %d of %d table(s) are proactive (planned %s); the others stay stock TorchRec",
-                      proactive, len(params), _CACHED)
+            sizes = _cache_rows(params, options or ProactiveOptions())
+            shown = ", ".join(f"{name} {slots}/{rows}" for name, (slots, rows) in sizes.items())
+            _LOG.warning("torchrec-proactive: %d of %d table(s) are proactive (planned %s: a host tier, and a device "
+                         "cache its rows are fetched into ahead of their lookup); cache rows / table rows: %s; the "
+                         "others stay stock TorchRec", proactive, len(params), _CACHED, shown)
             return proactive
         if params:
             shown = ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
@@ -192,6 +197,21 @@ class _OwnPlannerNotes(logging.Filter):
         return not (text.startswith("No available compute kernels")
                     and f"Constrained compute kernels: ['{_CACHED}']" in text
                     and f"sharding type: {ShardingType.TABLE_COLUMN_WISE.value}." in text)
+
+
+def _cache_rows(params: Mapping[str, ParameterSharding], options: ProactiveOptions) -> Dict[str, "tuple[int, int]"]:
+    """Per proactive table of a plan, ``(rows its caches hold, its rows)``, as the kernels
+    size each shard (``ProactiveOptions.slots_for``): row-wise shards summed, column shards
+    of the same rows counted once."""
+    out: Dict[str, "tuple[int, int]"] = {}
+    for name, ps in params.items():
+        if ps.compute_kernel != _CACHED or ps.sharding_spec is None:
+            continue
+        lf = ps.cache_params.load_factor if ps.cache_params is not None else None
+        lf = options.cache_load_factor if lf is None else lf
+        shards = {int(m.shard_offsets[0]): int(m.shard_sizes[0]) for m in ps.sharding_spec.shards}  # type: ignore[attr-defined]
+        out[name] = (sum(options.slots_for(name, rows, lf) for rows in shards.values()), sum(shards.values()))
+    return out
 
 
 def hide_own_planner_notes() -> None:
