@@ -106,18 +106,20 @@ class IOBatch:
             raise error
 
 
-def _runs(pages: np.ndarray, max_run: int) -> List[Tuple[int, int, int]]:
-    """``(first page, position in the list, count)`` of runs of consecutive pages (the list
-    sorted ascending), each at most ``max_run`` pages."""
+def _runs(pages: np.ndarray, max_run: int, slots: Optional[np.ndarray] = None) -> List[Tuple[int, int, int]]:
+    """``(first page, first buffer page, count)`` of runs of pages consecutive in the file and
+    in the buffer (``slots[i]``: the buffer page of ``pages[i]``; default ``i``), each at most
+    ``max_run`` pages."""
     runs: List[Tuple[int, int, int]] = []
     if pages.size == 0:
         return runs
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    slots = np.arange(pages.size, dtype=np.int64) if slots is None else slots
+    breaks = np.flatnonzero((np.diff(pages) != 1) | (np.diff(slots) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [pages.size]))
     for s, e in zip(starts.tolist(), ends.tolist()):
         for at in range(s, e, max_run):
-            runs.append((int(pages[at]), at, min(max_run, e - at)))
+            runs.append((int(pages[at]), int(slots[at]), min(max_run, e - at)))
     return runs
 
 
@@ -272,14 +274,19 @@ class RowFile:
             self.bytes_written += want
 
     def _submit(self, work: Callable[[np.ndarray, int, int, int], None], pages: np.ndarray,
-                buffer: np.ndarray) -> IOBatch:
+                buffer: np.ndarray, slots: Optional[np.ndarray] = None) -> IOBatch:
         pages = self._check_pages(pages)
-        if buffer.dtype != np.uint8 or buffer.size < pages.size * self.layout.page_bytes:
-            raise self._error(f"was given a buffer of {buffer.size} bytes for {pages.size} pages")
+        if slots is not None:
+            slots = np.asarray(slots, dtype=np.int64)
+            if slots.shape != pages.shape or (slots.size and slots.min() < 0):
+                raise self._error(f"was given {slots.size} buffer pages for {pages.size} file pages")
+        need = (int(slots.max()) + 1 if slots is not None and slots.size else pages.size) * self.layout.page_bytes
+        if buffer.dtype != np.uint8 or buffer.size < need:
+            raise self._error(f"was given a buffer of {buffer.size} bytes where {need} are needed")
         if self.o_direct and buffer.ctypes.data % BLOCK:
             raise self._error(f"was given a buffer at an address not aligned to {BLOCK} bytes (use aligned_buffer)")
         self.check_identity()
-        runs = _runs(pages, self.max_run_pages)
+        runs = _runs(pages, self.max_run_pages, slots)
         # One task per thread, each going through its share of the requests: a future per
         # request would cost more Python than the read itself at 4 KiB.
         shares = [runs[i::self._threads] for i in range(min(self._threads, len(runs)))]
@@ -291,14 +298,17 @@ class RowFile:
         futures = [self._pool.submit(run_share, share) for share in shares]
         return IOBatch(futures, int(pages.size), len(runs))
 
-    def read_pages(self, pages: Sequence[int] | np.ndarray, buffer: np.ndarray) -> IOBatch:
-        """Reads ``pages`` (sorted, unique) into consecutive pages of ``buffer`` (an
-        ``aligned_buffer``), in flight at once."""
-        return self._submit(self._read_run, np.asarray(pages), buffer)
+    def read_pages(self, pages: Sequence[int] | np.ndarray, buffer: np.ndarray,
+                   slots: Optional[Sequence[int] | np.ndarray] = None) -> IOBatch:
+        """Reads ``pages`` (sorted, unique) into ``buffer`` (an ``aligned_buffer``): page i
+        into its page ``slots[i]`` (default: consecutive pages), all in flight at once."""
+        return self._submit(self._read_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
 
-    def write_pages(self, pages: Sequence[int] | np.ndarray, buffer: np.ndarray) -> IOBatch:
-        """Writes consecutive pages of ``buffer`` to ``pages`` (sorted, unique)."""
-        return self._submit(self._write_run, np.asarray(pages), buffer)
+    def write_pages(self, pages: Sequence[int] | np.ndarray, buffer: np.ndarray,
+                    slots: Optional[Sequence[int] | np.ndarray] = None) -> IOBatch:
+        """Writes pages of ``buffer`` (``slots[i]``, default consecutive) to ``pages``
+        (sorted, unique)."""
+        return self._submit(self._write_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
 
     def close(self, remove: bool = True) -> None:
         """Ends the I/O (waiting for what is in flight) and, by default, removes the file:

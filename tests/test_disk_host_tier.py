@@ -1,0 +1,100 @@
+"""The host cache over the disk tier's file (store/disk_host_tier.py): any sequence of
+batches - prefetched ahead, read, written, released, with a cache far smaller than the
+table - leaves the file and the cache exactly as a table held wholly in memory; a page
+evicted dirty reaches its file before any later read; pins bound what may be evicted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torchrec_proactive.store import CacheCapacityError
+from torchrec_proactive.store.disk_host_tier import Component, DiskHostTier, record_layout
+from torchrec_proactive.store.row_file import RowFile
+
+COMPONENTS = [Component("weight", torch.float32, 12), Component("momentum1", torch.float32, 1)]
+
+
+def _tier(tmp_path, rows=700, page_slots=8, **kw) -> DiskHostTier:
+    _, record = record_layout(COMPONENTS)
+    f = RowFile(tmp_path / "t.rows", num_rows=rows, row_bytes=record, table="t", io_threads=4, **kw)
+    return DiskHostTier(f, COMPONENTS, num_page_slots=page_slots)
+
+
+def test_record_layout_aligns_components():
+    offsets, size = record_layout([Component("w", torch.float16, 3), Component("s", torch.float32, 1)])
+    assert offsets == [0, 8] and size == 16
+
+
+def test_batches_through_a_small_host_cache_equal_a_table_in_memory(tmp_path):
+    tier = _tier(tmp_path, rows=7000, page_slots=64)
+    rpp = tier.rows_per_page
+    assert (rpp, tier.num_pages) == (73, 96)  # 52-byte records padded to 56: 73 to a 4 KiB page
+    ref_w = torch.zeros(7000, 12)
+    ref_s = torch.zeros(7000)
+    g = torch.Generator().manual_seed(0)
+    depth, in_flight = 2, []
+    for step in range(40):
+        rows = torch.unique(torch.randint(0, 7000, (20,), generator=g))
+        in_flight.append((rows, tier.prefetch(rows.numpy())))  # issued `depth` batches ahead
+        if len(in_flight) <= depth:
+            continue
+        rows, ticket = in_flight.pop(0)
+        tier.wait(ticket)
+        w, s = tier.gather(rows)
+        assert torch.equal(w, ref_w[rows]) and torch.equal(s.view(-1), ref_s[rows])
+        new_w, new_s = w + torch.randn(w.shape, generator=g), s.view(-1) + 1.0
+        tier.scatter(rows, [new_w, new_s])
+        ref_w[rows], ref_s[rows] = new_w, new_s
+        tier.release(ticket)
+        tier.check_invariants()
+    for rows, ticket in in_flight:
+        tier.wait(ticket)
+        tier.release(ticket)
+    tier.check_invariants(expect_drained=True)
+    assert tier.page_misses > tier.num_slots and tier.pages_written > 0  # it really evicted dirty pages
+    tier.flush()
+    tier.close(remove=False)
+    # The file alone holds the table now: read it back through a fresh cache.
+    tier = _tier(tmp_path, rows=7000, page_slots=64)
+    for first in range(0, 7000, 60 * rpp):
+        rows = torch.arange(first, min(first + 60 * rpp, 7000))
+        t = tier.prefetch(rows.numpy())
+        tier.wait(t)
+        w, s = tier.gather(rows)
+        assert torch.equal(w, ref_w[rows]) and torch.equal(s.view(-1), ref_s[rows])
+        tier.release(t)
+    tier.close()
+
+
+def test_pins_bound_eviction_and_a_refusal_changes_nothing(tmp_path):
+    tier = _tier(tmp_path, page_slots=3)
+    rpp = tier.rows_per_page
+    a = tier.prefetch(np.array([0, rpp, 2 * rpp]))  # three pages, all pinned
+    before = (tier.page_slot.copy(), tier.pins.copy())
+    with pytest.raises(CacheCapacityError, match=r"table 't': a batch needs 1 more pages .* of 3 pages.*at least 4 pages"):
+        tier.prefetch(np.array([3 * rpp]))
+    assert np.array_equal(before[0], tier.page_slot) and np.array_equal(before[1], tier.pins)
+    tier.wait(a)
+    tier.release(a)
+    b = tier.prefetch(np.array([3 * rpp]))
+    tier.wait(b)
+    tier.release(b)
+    tier.check_invariants(expect_drained=True)
+    tier.close()
+
+
+def test_a_failed_read_is_reported_and_leaves_no_row_to_read(tmp_path, monkeypatch):
+    from torchrec_proactive.store import row_file
+
+    tier = _tier(tmp_path)
+    monkeypatch.setattr(row_file.os, "preadv", lambda fd, bufs, offset: 7)
+    t = tier.prefetch(np.array([5]))
+    with pytest.raises(row_file.DiskTierError, match="short read"):
+        tier.wait(t)
+    with pytest.raises(Exception, match="row 5 is not in the host cache"):
+        tier.gather(torch.tensor([5]))
+    tier.release(t)
+    tier.check_invariants(expect_drained=True)
+    tier.close()
