@@ -57,7 +57,7 @@ from ..store import (
     pooled_lookup_group,
 )
 from ..store.row_space import device_store_rows  # noqa: F401 - (re-exported: tests import it here)
-from .host_views import LiveTableSlice, live_view, register_host_storage
+from .host_views import LiveTableSlice, can_be_live, live_view, register_host_storage
 from .options import ProactiveOptions
 
 
@@ -352,7 +352,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             spans[cfg.name] = (min(lo, start), max(hi, end), view.shape[1])
         out: Dict[str, TableBatchedEmbeddingSlice] = {}
         for name, (start, end, dim) in spans.items():
-            sl = LiveTableSlice(
+            sl = (LiveTableSlice if can_be_live(self._host_buffer) else TableBatchedEmbeddingSlice)(
                 data=self._host_buffer, start_offset=start, end_offset=end,
                 num_embeddings=-1, embedding_dim=dim,
             )

@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterable, Optional, Protocol
 import torch
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
 
-__all__ = ["HostTierOwner", "HostTierView", "LiveTableSlice", "register_host_storage", "live_view"]
+__all__ = ["HostTierOwner", "HostTierView", "LiveTableSlice", "can_be_live", "live_view", "register_host_storage"]
 
 
 class HostTierOwner(Protocol):
@@ -195,10 +195,20 @@ class LiveTableSlice(TableBatchedEmbeddingSlice):
 
 def register_host_storage(tensor: torch.Tensor, owner: HostTierOwner) -> None:
     """Live views over ``tensor``'s storage belong to ``owner`` (held weakly)."""
-    _OWNERS[_storage_ptr(tensor)] = weakref.ref(owner)
+    if can_be_live(tensor):
+        _OWNERS[_storage_ptr(tensor)] = weakref.ref(owner)
 
 
-def live_view(tensor: torch.Tensor) -> HostTierView:
-    """``tensor`` (a view of registered host storage) as a live view."""
+def can_be_live(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` can be made a live view: a plain tensor (not a fake tensor, as
+    under the sync detector, nor another subclass)."""
+    return type(tensor) is torch.Tensor or isinstance(tensor, (HostTierView, LiveTableSlice))
+
+
+def live_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a view of registered host storage) as a live view; returned as it is
+    where it cannot be one (``can_be_live``)."""
+    if not can_be_live(tensor):
+        return tensor
     with torch._C.DisableTorchFunctionSubclass():
-        return tensor.as_subclass(HostTierView)  # type: ignore[return-value]
+        return tensor.as_subclass(HostTierView)
