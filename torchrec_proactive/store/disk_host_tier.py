@@ -249,6 +249,20 @@ class DiskHostTier:
             v[slots, within] = val.reshape(val.shape[0], -1).to(v.dtype)
         self.dirty[slots.numpy()] = True
 
+    def write_rows(self, rows: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
+        """Writes whole records through the cache, in chunks that fit it (e.g. a table's
+        initial values, streamed in: never the whole table in DRAM at once)."""
+        rows = rows.to(torch.int64)
+        chunk = max(1, (self.num_slots - int(self.pins.astype(bool).sum())) // 2) * self.rows_per_page
+        for start in range(0, rows.shape[0], chunk):
+            part = rows[start: start + chunk]
+            ticket = self.prefetch(part.numpy())
+            try:
+                self.wait(ticket)
+                self.scatter(part, [v[start: start + chunk] for v in values])
+            finally:
+                self.release(ticket)
+
     # ------------------------------------------------------------------ whole tier
     def flush(self) -> None:
         """Writes every dirty page to the file, behind every queued ticket (they are clean

@@ -357,23 +357,27 @@ class HostPlanner:
 
     # ------------------------------------------------------------------ the whole cache
     def flush_plans(self, chunk: int) -> List[FetchPlan]:
-        """A plan that writes every dirty slot back (none when nothing is dirty); the slots
-        are clean from now on, so the write-back must be executed (by the fetch engine)."""
+        """Plans that write every dirty slot back, ``chunk`` slots each (none when nothing is
+        dirty); the slots are clean from now on, so the write-backs must be executed (by the
+        fetch engine)."""
         if not self._dirty.any():
             return []
         slots = torch.nonzero(self.dirty).flatten()
         rows = self.slot_to_row[slots]
         self.dirty[slots] = False
         empty = rows[:0]
-        return [self._whole_cache_plan(empty, empty, rows, slots)]
+        return [self._whole_cache_plan(empty, empty, rows[i: i + chunk], slots[i: i + chunk])
+                for i in range(0, slots.shape[0], max(1, chunk))]
 
     def refresh_plans(self, chunk: int) -> List[FetchPlan]:
-        """A plan that copies every cached row from the host tier again; every slot clean."""
+        """Plans that copy every cached row from the host tier again, ``chunk`` slots each;
+        every slot clean."""
         slots = torch.nonzero(self.slot_to_row >= 0).flatten()
         rows = self.slot_to_row[slots]
         self.dirty[slots] = False
         empty = rows[:0]
-        return [self._whole_cache_plan(rows, slots, empty, empty)]
+        return [self._whole_cache_plan(rows[i: i + chunk], slots[i: i + chunk], empty, empty)
+                for i in range(0, max(1, slots.shape[0]), max(1, chunk))]
 
     def _whole_cache_plan(self, fill_rows: torch.Tensor, fill_slots: torch.Tensor, wb_rows: torch.Tensor,
                           wb_slots: torch.Tensor) -> FetchPlan:

@@ -49,6 +49,8 @@ class PlanTable(Protocol):
 
     def _sizes_known(self, plan: "FetchPlan") -> None: ...
 
+    def gather_host(self, rows: torch.Tensor) -> List[torch.Tensor]: ...
+
 
 @dataclass(eq=False)
 class FetchPlan:
@@ -91,6 +93,9 @@ class FetchPlan:
     # How far the data moves got: "planned" -> "written_back" -> "done". Set by whoever
     # moves the bytes (a transport); read by ``TieredTable.rollback`` after a failure.
     stage: str = "planned"
+    #: The disk tier's moves that bring the plan's rows into the host cache (a table on
+    #: disk only: ``TieredTable(disk=...)``), issued when the plan is made.
+    disk_ticket: Any = field(default=None, repr=False)
     _device_slots: Optional[torch.Tensor] = field(default=None, repr=False)
     _overflow_weight: Optional[torch.Tensor] = field(default=None, repr=False)
     _sizes_copy: Optional[torch.Tensor] = field(default=None, repr=False)  # pinned, behind the moves
@@ -212,7 +217,7 @@ class FetchPlan:
             return None
         if self._overflow_weight is None:
             rows = self.overflow_rows.narrow(0, 0, self.num_overflow).to("cpu")
-            self._overflow_weight = self.table.host_weight.index_select(0, rows).to(self.table.device)
+            self._overflow_weight = self.table.gather_host(rows)[0].to(self.table.device)
         return self._overflow_weight
 
     @overflow_weight.setter

@@ -42,17 +42,20 @@ Nothing here imports TorchRec; the host tier may be a view of someone else's sto
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .device_planner import DevicePlanner, RowMapping
+from .disk_host_tier import Component, DiskHostTier, record_layout
 from .errors import CacheCapacityError, IdOutOfRangeError, InvalidInputError, StoreStateError
 from .eviction import EvictionPolicy
 from .host_planner import HostPlanner, load_factor_advice, load_factor_text, unique_rows
 from .optimizers import OptimizerConfig, update_rows
 from .plan import FetchPlan
+from .row_file import RowFile
 from .row_moves import device_alias, move_rows_
 
 __all__ = ["FetchPlan", "Segment", "TableStats", "TieredTable", "load_factor_advice", "load_factor_text",
@@ -139,6 +142,12 @@ class TieredTable:
         host_on_device: the host tier (weight, then each optimizer state) as ``device``
             addresses it, for moves the device runs itself (default: the tensors themselves
             off CUDA, pinned tensors' device views on CUDA, else None).
+        disk: a table larger than host memory: its host tier is this bounded DRAM cache of
+            the table's file (``disk_host_tier.py``; build both with :meth:`on_disk`), and
+            ``host_weight`` is a ``meta`` tensor giving only the shape and dtype. Each batch
+            plan queues the disk moves of its rows when it is made, so they run while the
+            batches before it train (the disk hop is as many batches ahead as the plan);
+            its fills wait for them. Host planner, CPU device.
 
     Attributes a user reads: ``planner`` (``HostPlanner`` or ``DevicePlanner``: the
     bookkeeping, and the device planner's ``bad_ids`` / ``skipped_updates`` counts),
@@ -166,6 +175,7 @@ class TieredTable:
         segment_slots: Optional[Sequence[int]] = None,
         planner: str = "host",
         host_on_device: Optional[Sequence[torch.Tensor]] = None,
+        disk: Optional[DiskHostTier] = None,
     ) -> None:
         if host_weight.dim() != 2:
             raise InvalidInputError(
@@ -184,6 +194,14 @@ class TieredTable:
                 f"are planned on the host only; use the sharder's planner='host', or one store per table "
                 f"(TorchRec's use_one_tbe_per_table fused param)"
             )
+        if disk is not None and (planner != "host" or torch.device(device).type != "cpu"
+                                 or host_weight.device.type != "meta"):
+            raise InvalidInputError(
+                f"table '{name}': a table on disk is planned on the host for a CPU device for now, and its "
+                f"host_weight is a meta tensor giving its shape (got planner={planner!r}, device={device}, "
+                f"host_weight on {host_weight.device}); build it with TieredTable.on_disk"
+            )
+        self.disk = disk
         self.name = name
         self.device = torch.device(device)
         self.optimizer = optimizer
@@ -206,13 +224,16 @@ class TieredTable:
                 raise InvalidInputError(
                     f"table '{name}': optimizer state '{key}' has shape {tuple(given.shape)}, expected {want}"
                 )
-            if given is None:
+            if given is None and disk is not None:
+                given = torch.empty(want, dtype=torch.float32, device="meta")  # (on disk: shape only)
+            elif given is None:
                 # Pinned on CUDA so the copy stream can move rows without a bounce buffer.
                 pin = self.device.type == "cuda" and torch.cuda.is_available()
                 given = torch.zeros(want, dtype=torch.float32, pin_memory=pin)
             self.exposed_state[key] = given
             self.host_state[key] = given.data
-        self._exposed = [self.exposed_weight, *self.exposed_state.values()]
+        # (A table on disk hands no host tensor out: nobody writes its host tier in place.)
+        self._exposed = [] if disk is not None else [self.exposed_weight, *self.exposed_state.values()]
         self._seen_versions = [t._version for t in self._exposed]
         # Set by the owner of the data moves (the fetch engine's ``run``): moves plans in their
         # turn behind every queued move and waits. Only an update that comes after its plan's
@@ -261,12 +282,39 @@ class TieredTable:
         )
         self.host_on_device = self._host_on_device(host_on_device)
 
+    @classmethod
+    def on_disk(cls, name: str, num_rows: int, dim: int, optimizer: OptimizerConfig, num_slots: int,
+                directory: str | Path, host_cache_bytes: int, initial_weight: Optional[torch.Tensor] = None,
+                dtype: torch.dtype = torch.float32, io_threads: int = 16, **kwargs: Any) -> "TieredTable":
+        """A table whose rows live in a file under ``directory`` (``<name>.rows``, removed
+        at :meth:`close`), served through a host cache of ``host_cache_bytes`` and a device
+        cache of ``num_slots`` rows. ``initial_weight`` (``[num_rows, dim]``, streamed in;
+        default zeros) and zero optimizer state are written to the file first."""
+        components = [Component("weight", dtype, dim)] + [
+            Component(key, torch.float32, int(np.prod(shape)) if len(shape) else 1)
+            for key, shape in optimizer.state_shapes(dim).items()]
+        _, record = record_layout(components)
+        file = RowFile(Path(directory) / f"{name}.rows", num_rows, record, table=name, io_threads=io_threads)
+        try:
+            disk = DiskHostTier(file, components, max(1, int(host_cache_bytes) // file.layout.page_bytes))
+            if initial_weight is not None:
+                rows = torch.arange(num_rows)
+                state = [torch.zeros(num_rows, c.width) for c in components[1:]]
+                disk.write_rows(rows, [initial_weight.to(dtype), *state])
+            return cls(name, torch.empty(num_rows, dim, dtype=dtype, device="meta"), optimizer, num_slots,
+                       disk=disk, **kwargs)
+        except BaseException:
+            file.close()
+            raise
+
     def _host_on_device(self, given: Optional[Sequence[torch.Tensor]]) -> Optional[List[torch.Tensor]]:
         """The host tier (weight, then each optimizer state, as ``gather_host`` orders them)
         as the cache's device addresses it: the tensors themselves off CUDA; on CUDA, FBGEMM
         host-mapped UVM views over the same bytes, given by the owner, or pinned tensors'
         device views, or None (then moves go through pinned staging, see fetch/cuda.py)."""
         hosts = [self.host_weight, *self.host_state.values()]
+        if self.disk is not None:
+            return None
         if given is None and self.device.type != "cuda":
             return hosts
         if given is None:
@@ -420,9 +468,45 @@ class TieredTable:
         return self._issue(self.planner.plan_ids(ids, depth_hint, overflow, check_ids, mapping))
 
     def _issue(self, plan: FetchPlan) -> FetchPlan:
-        """A plan the planner made is in flight until ``release``."""
+        """A plan the planner made is in flight until ``release``. On disk, the disk moves
+        that bring its rows into the host cache are queued now, ahead of its fills; a host
+        cache too small for them refuses the plan, changing nothing."""
         self._in_flight += 1
+        if self.disk is not None:
+            try:
+                plan.disk_ticket = self.disk.prefetch(self._disk_rows(plan))
+            except BaseException:
+                self.rollback(plan)
+                self.release(plan)
+                raise
         return plan
+
+    def _disk_rows(self, plan: FetchPlan) -> np.ndarray:
+        """The rows the plan reads or writes in the host tier: its fills, its write-backs,
+        its overflow rows."""
+        _, nf, nwb, no = plan.resolve_sizes()
+        parts = [plan.fill_rows.narrow(0, 0, nf), plan.writeback_rows.narrow(0, 0, nwb)]
+        if plan.overflow_rows is not None:
+            parts.append(plan.overflow_rows.narrow(0, 0, no))
+        return torch.cat([p.to("cpu", torch.int64) for p in parts]).numpy()
+
+    def _disk_ready(self, plan: FetchPlan) -> None:
+        """Waits until the plan's rows are in the host cache (a plan made without disk moves
+        - flush, refresh - queues them now, in their turn)."""
+        if self.disk is None:
+            return
+        if plan.disk_ticket is None:
+            plan.disk_ticket = self.disk.prefetch(self._disk_rows(plan))
+        self.disk.wait(plan.disk_ticket)
+
+    def _disk_release(self, plan: FetchPlan, keep_overflow: bool = False) -> None:
+        """Unpins the plan's pages in the host cache - after its moves, or, for a plan with
+        overflow rows (read at lookup, updated in backward there), at its release."""
+        if self.disk is None or plan.disk_ticket is None:
+            return
+        if keep_overflow and plan.overflow_rows is not None and plan.num_overflow:
+            return
+        self.disk.release(plan.disk_ticket)
 
     def _sizes_known(self, plan: FetchPlan) -> None:
         """A plan's sizes reached the host (at once for the host planner, later for the
@@ -460,6 +544,7 @@ class TieredTable:
             self.enqueue_moves(plan)
             return
         _, num_fills, num_wb, _ = plan.resolve_sizes()
+        self._disk_ready(plan)
         if num_wb:
             self.write_back(plan.writeback_slots.narrow(0, 0, num_wb), plan.writeback_rows.narrow(0, 0, num_wb))
         plan.stage = "written_back"
@@ -467,6 +552,7 @@ class TieredTable:
             self.fill(plan.fill_slots.narrow(0, 0, num_fills),
                       self.gather_host(plan.fill_rows.narrow(0, 0, num_fills).to("cpu")))
         plan.stage = "done"
+        self._disk_release(plan, keep_overflow=True)
 
     @torch.no_grad()
     def enqueue_moves(self, plan: FetchPlan) -> None:
@@ -488,8 +574,20 @@ class TieredTable:
         plan.stage = "done"
 
     def gather_host(self, rows: torch.Tensor) -> List[torch.Tensor]:
-        """The host tier's weight and state rows ``rows`` (host indices), in that order."""
+        """The host tier's weight and state rows ``rows`` (host indices), in that order (on
+        disk: rows in the host cache, pinned by their plan)."""
+        if self.disk is not None:
+            weight, *state = self.disk.gather(rows)
+            return [weight] + [p.reshape(p.shape[0], *v.shape[1:]) for p, v in zip(state, self.host_state.values())]
         return [self.host_weight.index_select(0, rows)] + [v.index_select(0, rows) for v in self.host_state.values()]
+
+    def _put_host(self, rows: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+        """Writes the host tier's rows ``rows`` (weight, then each state, on the host)."""
+        if self.disk is not None:
+            self.disk.scatter(rows, parts)
+            return
+        for host, part in zip([self.host_weight, *self.host_state.values()], parts):
+            host.index_copy_(0, rows, part)
 
     def fill(self, slots: torch.Tensor, parts: List[torch.Tensor]) -> None:
         """Writes rows (weight, then each state, as ``gather_host`` orders them) into ``slots``."""
@@ -500,9 +598,8 @@ class TieredTable:
     def write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Copies the cache's ``slots`` into the host tier's ``rows`` (weight and state)."""
         slots, host_rows = slots.to(self.device), rows.to("cpu")
-        for cache, host in zip([self.cache_weight, *self.cache_state.values()],
-                               [self.host_weight, *self.host_state.values()]):
-            host.index_copy_(0, host_rows, cache.index_select(0, slots).to("cpu"))
+        self._put_host(host_rows, [cache.index_select(0, slots).to("cpu")
+                                   for cache in [self.cache_weight, *self.cache_state.values()]])
 
     def rollback(self, plan: FetchPlan) -> None:
         """Undoes the bookkeeping of a plan whose data moves did not all happen.
@@ -595,9 +692,8 @@ class TieredTable:
         local = torch.arange(host_rows.shape[0], device=dev)
         update_rows(self.optimizer, weight, new, local, grads.to(dev), step, self._stochastic_rows(rows, dev))
         new["weight"] = weight
-        for key, host in zip(["weight", *self.host_state], [self.host_weight, *self.host_state.values()]):
-            value = new[key] if ok is None else torch.where(ok, new[key], old[key])
-            host.index_copy_(0, host_rows, value.to("cpu"))
+        self._put_host(host_rows, [(new[key] if ok is None else torch.where(ok, new[key], old[key])).to("cpu")
+                                   for key in ["weight", *self.host_state]])
 
     def _stochastic_rows(self, rows: torch.Tensor, where: torch.device) -> Optional[torch.Tensor]:
         """The row ids keying stochastic rounding when FBGEMM's CUDA kernels would round the
@@ -613,6 +709,7 @@ class TieredTable:
         if plan.released:
             return
         self.planner.unpin(plan)
+        self._disk_release(plan)
         plan.released = True
         self._in_flight -= 1
 
@@ -620,15 +717,32 @@ class TieredTable:
     def plan_flush(self, chunk: int = 65536) -> List[FetchPlan]:
         """Plans that write every dirty slot back (no fills, no pins; the device planner's in
         chunks of ``chunk`` slots, for bounded staging); the slots are clean from now on, so
-        the write-backs must be executed (by the fetch engine, in order)."""
-        return self.planner.flush_plans(chunk)
+        the write-backs must be executed (by the fetch engine, in order). On disk, chunks
+        of at most half the host cache's rows, so that each chunk's pages fit it."""
+        return self.planner.flush_plans(self._host_chunk(chunk))
+
+    def _host_chunk(self, chunk: int) -> int:
+        if self.disk is None:
+            return chunk
+        return max(1, min(chunk, self.disk.num_slots // 2))
+
+    def flush_to_disk(self) -> None:
+        """Writes the host cache's dirty pages to the table's file (after a flush of the
+        device cache, the file is then the whole table). No-op off disk."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Stops the disk tier's I/O and removes its file (a table on disk; else nothing)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def plan_refresh(self, chunk: int = 65536) -> List[FetchPlan]:
         """Plans that copy every cached row from the host tier again, for a host tier that
         was loaded while batches are in flight: their pinned rows then hold the loaded values,
         as a resident table's would. No victims, no pins; every slot is clean afterwards (the
         dirty rows were flushed before the load, and the host tier is now the truth)."""
-        return self.planner.refresh_plans(chunk)
+        return self.planner.refresh_plans(self._host_chunk(chunk))
 
     def has_dirty(self) -> bool:
         """Whether some cached row holds an update the host tier lacks."""
@@ -661,6 +775,8 @@ class TieredTable:
         Returns ``(rows taken, dirty rows not compared)``. O(cached rows), on a write only;
         call it with no move queued (the fetch engine drained)."""
         self.planner.check_owner(claim=False)
+        if self.disk is not None:
+            return 0, 0  # (nobody holds its host tier: nothing was written behind the cache)
         slots, rows, dirty = self.planner.resident()
         behind = int(dirty.sum())
         slots, rows = slots[~dirty], rows[~dirty]
@@ -707,6 +823,8 @@ class TieredTable:
     def check_invariants(self, expect_drained: bool = False) -> None:
         """Verifies maps, pins and dirty state; raises ``StoreStateError`` on the first breach."""
         problems = self.planner.check_invariants(expect_drained)
+        if self.disk is not None:
+            self.disk.check_invariants(expect_drained)
         if expect_drained and self._in_flight != 0:
             problems.append(f"{self._in_flight} plans left after drain")
         if problems:
