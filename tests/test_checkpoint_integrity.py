@@ -580,6 +580,42 @@ def test_a_two_rank_run_resumed_on_one_rank_says_what_was_done_and_what_remains(
     assert_user_error(damaged, f"{latest.name}/{name}", "checksum", "intact checkpoints")
 
 
+def test_a_checkpoint_at_the_end_of_an_epoch_on_more_ranks_resumes_in_the_next_epoch(tmp_path: Path):
+    """720 training rows of 64: 11 batches an epoch on 1 rank, 5 on 2. Step 10 of 1 rank is
+    all 5 steps of epoch 0 on 2 ranks: the resume continues at epoch 1 (before: "the training
+    loader yielded 0 of 1 batches expected (epoch 0, batch 5)", exit 1)."""
+    data, out = tmp_path / "data", tmp_path / "run"
+    args = ["experiment=ci_tiny", "data.num_samples=900", "train.eval_max_batches=2", f"data.root={data}",
+            f"train.output_dir={out}"]
+    first = cli("train", "--nproc", "1", *args, "train.max_steps=10")
+    assert first.rc == 0, first
+    position = json.loads((out / "checkpoints" / "step_00000010" / "MANIFEST.json").read_text())["position"]
+    assert position == {"step": 10, "epoch": 0, "batch_in_epoch": 10}
+    more = cli("train", "--nproc", "2", *args, "train.resume=true")
+    assert more.rc == 0, more
+    assert "at step 5 (epoch 1, batch 0)" in more.err, more
+    assert more.result()["steps"] == 10 and not more.result()["already_finished"]
+
+
+def test_a_forged_position_past_the_epochs_batches_is_refused_at_the_cli(made, run_dir: Path):
+    """A consistent, re-sealed manifest at epoch 0 with no train.max_steps in its config: only
+    the data bounds its position (37 batches an epoch on 1 rank). One line, exit 2, naming the
+    field and the limit; before: a RuntimeError from the loop, exit 1."""
+    def change(m: Dict[str, Any]) -> None:
+        _set_position("step", 37)(m)
+        _set_position("batch_in_epoch", 37)(m)
+        m["step"] = 37
+        m["config"]["train.max_steps"] = None
+
+    checkpoints = run_dir / "checkpoints"
+    forged = (checkpoints / "step_00000006").rename(checkpoints / "step_00000037")
+    (checkpoints / "LATEST").write_text(forged.name)
+    _manifest_edit(forged, change)
+    run = cli("train", *RUN_ARGS, "train.max_steps=null", f"data.root={made[0]}", f"train.output_dir={run_dir}",
+              "train.resume=true")
+    assert_user_error(run, "step_00000037", "position.batch_in_epoch is 37", "37 batches")
+
+
 def test_progress_is_described_in_steps_and_samples():
     from torchrec_proactive.app.resume import describe_progress
 

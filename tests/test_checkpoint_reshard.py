@@ -93,6 +93,17 @@ def test_a_position_moves_to_another_world_size_in_samples():
     assert rescale_position(Position(36, 2, 0), 2, 1, 36) == Position(72, 2, 0)
 
 
+def test_a_position_that_rescales_to_the_end_of_an_epoch_starts_the_next_one():
+    """37 batches an epoch on 1 rank, 18 on 2: batch 36 of 1 rank is all 18 of 2, so the
+    resumed run stands at the start of epoch 1 (it was clamped to epoch 0, batch 18, and the
+    loop then asked the spent loader for a batch)."""
+    from torchrec_proactive.app.loop import Position, rescale_position
+
+    assert rescale_position(Position(36, 0, 36), 1, 2, 18) == Position(18, 1, 0)
+    assert rescale_position(Position(37 + 36, 1, 36), 1, 2, 18) == Position(36, 2, 0)
+    assert rescale_position(Position(35, 0, 35), 1, 2, 18) == Position(17, 0, 17)
+
+
 @pytest.mark.multiprocess
 def test_a_damaged_or_altered_checkpoint_is_refused_in_one_line(tmp_path: Path):
     """A truncated tensor file or a manifest whose step was changed: a CheckpointError (one

@@ -15,6 +15,7 @@ from ..data.criteo import (
     PREPROCESS_MANIFEST,
     CriteoFormatError,
     PreprocessedCriteo,
+    batch_counts,
     make_dataloaders,
     open_torchrec_binary,
     preprocess,
@@ -171,10 +172,19 @@ class Loaders:
     train: Any
     eval: Any
     cardinalities: List[int]
+    train_rows: Optional[int] = None  # rows of the training split (all ranks)
+    batch_size: Optional[int] = None
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self.train)
+
+    def steps_per_epoch_on(self, world_size: int) -> Optional[int]:
+        """The steps of an epoch of this data on ``world_size`` ranks (as the loaders cut it:
+        whole rounds of ``world_size`` batches), or None where the split is not known."""
+        if self.train_rows is None or not self.batch_size:
+            return None
+        return batch_counts(self.train_rows, self.batch_size, world_size, drop_last=True)[0] // world_size
 
 
 def check_split(num_samples: List[int], cfg: DataConfig, batch_size: int, world_size: int) -> None:
@@ -220,4 +230,5 @@ def loaders(pre: PreprocessedCriteo, cfg: DataConfig, batch_size: int) -> Loader
         pre, batch_size, dist.get_rank(), dist.get_world_size(), eval_fraction=cfg.eval_fraction,
         shuffle_batches=cfg.shuffle_batches,
     )
-    return Loaders(train, evaluation, list(pre.cardinalities))
+    rows = sum(p.stop - p.start for p in split_rows(list(pre.num_samples), cfg.eval_fraction)[0])
+    return Loaders(train, evaluation, list(pre.cardinalities), train_rows=rows, batch_size=batch_size)

@@ -31,6 +31,8 @@ from .autodepth import agree, cache_depth_limit, choose_depth
 from .checkpoint import Checkpointer, fused_optimizer_step, restore_param_groups, rng_state, set_rng_state
 from .compose import config_hash, flatten
 from .resume import describe_changes, describe_progress, refuse_changes
+from .errors import CheckpointError
+from .rundir import MANIFEST
 from .saved_state import check_saved_state
 from .data import Loaders
 from .env import RankEnv
@@ -52,9 +54,30 @@ def rescale_position(pos: Position, saved_world: int, world: int, steps_per_epoc
     """Where a run saved on ``saved_world`` ranks stands on ``world`` ranks: a step consumes
     ``world`` batches, so the epoch's samples done so far are ``batch_in_epoch * saved_world``
     batches; rounded down (at most one batch's samples are read again). The global step
-    counts the new steps of the finished epochs plus the current one's."""
-    batch = min(pos.batch_in_epoch * saved_world // world, steps_per_epoch)
-    return Position(step=pos.epoch * steps_per_epoch + batch, epoch=pos.epoch, batch_in_epoch=batch)
+    counts the new steps of the finished epochs plus the current one's. A point at or past
+    the last whole step of the epoch here (the saved world's epoch may hold a batch more) is
+    the start of the next epoch."""
+    batch = pos.batch_in_epoch * saved_world // world
+    epoch = pos.epoch
+    if batch >= steps_per_epoch:
+        epoch, batch = epoch + 1, 0
+    return Position(step=epoch * steps_per_epoch + batch, epoch=epoch, batch_in_epoch=batch)
+
+
+def check_position_in_epoch(manifest: Dict[str, Any], path: Any, steps_per_epoch: Optional[int]) -> None:
+    """Raises :class:`CheckpointError` (one line) unless the saved ``batch_in_epoch`` is below
+    ``steps_per_epoch``, the steps of an epoch of this run's data on the ranks that saved it
+    (None: not known, nothing checked). The trainer never saves a position at an epoch's end
+    (it is the next epoch's batch 0); the manifest's own numbers cannot bound it where only
+    the data does (Criteo data in epoch 0 without ``train.max_steps``)."""
+    state = manifest.get("state") if isinstance(manifest.get("state"), dict) else {}
+    position = state.get("position") if isinstance(state.get("position"), dict) else {}
+    batch = position.get("batch_in_epoch")
+    if steps_per_epoch is None or not isinstance(batch, int) or batch < steps_per_epoch:
+        return
+    raise CheckpointError(f"{path}/{MANIFEST}: position.batch_in_epoch is {batch} in epoch {position.get('epoch')}, "
+                          f"not below the {steps_per_epoch} batches an epoch of this data has on the "
+                          f"{manifest.get('world_size')} rank(s) that saved it; refusing to load it")
 
 
 def check_resume(ckpt: Checkpointer, path: Any, cfg: Config) -> Dict[str, Any]:
@@ -143,6 +166,10 @@ class Trainer:
             self.log.info("train.resume: no complete checkpoint in %s, starting from scratch", self.ckpt.directory)
             return
         changes = check_resume(self.ckpt, path, self.cfg)
+        manifest = self.ckpt.manifest(path)
+        saved_world = manifest.get("world_size")
+        check_position_in_epoch(manifest, path, self.data.steps_per_epoch if saved_world == self.env.world_size
+                                else self.data.steps_per_epoch_on(saved_world))
         if changes:
             self.log.info("train.resume: config changed since %s (none of it changes the saved state): %s",
                           path.name, describe_changes(changes))
