@@ -219,9 +219,11 @@ def test_gen_data_then_train_runs_refuses_overwrite_and_resumes_a_finished_run(t
 
     # train uses gen-data's files (2000 rows: 1600 train rows / 64 = 25 steps, not ci_tiny's 37),
     # with a progress bar on a terminal and no third-party warnings
+    # (train.resume=true on a fresh directory starts from scratch, and says so once)
     first = cli("train", *TINY, f"data.root={data}", f"train.output_dir={out}", "train.progress_bar=true",
-                tty=True)
+                "train.resume=true", tty=True)
     assert first.rc == 0, first
+    assert first.err.count("no complete checkpoint") == 1, first
     assert "25 training steps per epoch" in first.err, first
     assert "generating" not in first.err, first
     assert sorted(p.name for p in data.iterdir()) == sorted(set(made) | {"preprocessed"}), first
@@ -239,9 +241,16 @@ def test_gen_data_then_train_runs_refuses_overwrite_and_resumes_a_finished_run(t
     assert (out / "rank_0" / "metrics.jsonl").read_text() == metrics
 
     # resuming a finished run says so and reports that run's final metrics
-    resumed = cli("train", *TINY, f"data.root={data}", f"train.output_dir={out}", "train.resume=true")
+    resumed = cli("train", *TINY, f"data.root={data}", f"train.output_dir={out}", "train.resume=true",
+                  "train.log_every=2")
     assert resumed.rc == 0, resumed
     assert "already finished" in resumed.err, resumed
+    # each launch's record is kept (Hydra's .hydra/ is the latest launch's); the refused one wrote none
+    launches = sorted(p.name for p in (out / "launches").iterdir())
+    assert launches == ["001", "002"], launches
+    assert "train.progress_bar=true" in (out / "launches" / "001" / "overrides.yaml").read_text()
+    assert "train.log_every=2" in (out / "launches" / "002" / "overrides.yaml").read_text()
+    assert (out / ".hydra" / "overrides.yaml").read_text() == (out / "launches" / "002" / "overrides.yaml").read_text()
     c = resumed.result()
     assert c["already_finished"] and not a["already_finished"]
     assert {k: c[k] for k in ("steps", "train_loss", "auroc", "logloss", "checkpoint", "evals")} == \

@@ -59,6 +59,13 @@ def test_torchx_local_cwd_runs_two_ranks(tmp_path: Path) -> None:
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     assert "SUCCEEDED" in log, log
+    # the result is the job's last line (torchx's own status lines aside), as `train --help` says
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("train/0 ")]
+    assert lines and lines[-1].startswith("train/0 [0]:{"), lines[-3:]
+    assert json.loads(lines[-1].split(":", 1)[1])["steps"] == 8
+    # under torchrun (no Hydra record) rank 0 keeps the launch's overrides and config
+    assert "train.max_steps=8" in (out / "launches" / "001" / "overrides.yaml").read_text()
+    assert (out / "launches" / "001" / "config.yaml").is_file()
     for rank in (0, 1):
         records = [json.loads(line) for line in (out / f"rank_{rank}" / "metrics.jsonl").read_text().splitlines()]
         assert max(r["step"] for r in records if r["kind"] == "step") == 8

@@ -156,7 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train DLRM/DCNv2 on Criteo with proactive fetching",
                        description="Trains DLRM or DCNv2 on Criteo-format data with the proactive sharder and "
                                    "pipeline. The last line on stdout is the run's result as JSON (keys: "
-                                   "torchrec_proactive/app/result.py, TrainResult).")
+                                   "torchrec_proactive/app/result.py, TrainResult), also written to "
+                                   "<run dir>/result.json; under torchrun/torchx rank 0 prints it, as the job's "
+                                   "last line (torchx's own status lines follow it). Each launch into a run "
+                                   "directory (the first, then every resume) keeps its record in <run "
+                                   "dir>/launches/<n>/ (Hydra's .hydra/ holds the latest launch's).")
     _add_run_options(t, default_nproc=1)
     t.set_defaults(func=cmd_train, parser=t)
 
@@ -288,10 +292,26 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"  # under torchrun every rank reports
 
 
+# Under torchrun (torchx runs it) each worker's stdout and stderr reach the console through
+# log tails that poll every 0.1 s, one thread per stream (torchrun's --tee, then torchx's
+# local scheduler), so a result printed right after the last log line may be shown before
+# it. Waiting this long first makes the result the last line of the job's output.
+TAIL_SETTLE_S = 1.0
+
+
+def _settle_before_result() -> None:
+    if "WORLD_SIZE" in os.environ:
+        import time
+
+        sys.stderr.flush()
+        time.sleep(TAIL_SETTLE_S)
+
+
 def _report_train(results: List[Any]) -> None:
     from .app.result import TrainResult
 
     if _is_rank0():
+        _settle_before_result()
         print(TrainResult.from_summary(results[0]).to_json(), flush=True)
 
 
@@ -300,6 +320,7 @@ def _report_compare(results: List[Any]) -> None:
 
     result = results[0]
     if isinstance(result, dict) and "rows" in result and _is_rank0():
+        _settle_before_result()
         print(format_table(result), flush=True)
 
 
@@ -322,6 +343,7 @@ def _report_profile(results: List[Any]) -> None:
     import json
 
     if _is_rank0():
+        _settle_before_result()
         out = results[0]
         for name, t in sorted(out["tables"].items()):
             planned = (f", planned {t['planned_slots']} slots (miss rate {t['planned_miss_rate']:.3f})"

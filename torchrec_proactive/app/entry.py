@@ -47,10 +47,13 @@ def pin_output_dir(overrides: Sequence[str], cfg: Any) -> List[str]:
 
 
 def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
-              config_dir: Optional[str] = None, rank_overrides: Optional[Dict[int, List[str]]] = None) -> Any:
+              config_dir: Optional[str] = None, rank_overrides: Optional[Dict[int, List[str]]] = None,
+              record: bool = False) -> Any:
     """Runs ``mode`` on this rank (process group already initialised).
 
     ``rank_overrides`` adds overrides on some ranks only - for tests of the config check.
+    ``record``: rank 0 keeps the launch's record in the run directory (under torchrun,
+    where no Hydra app made one).
     A cache too small for the prefetch depth is raised as a
     :class:`~torchrec_proactive.app.errors.ConfigError` naming ``cache.load_factor`` and
     ``prefetch.*``.
@@ -60,6 +63,8 @@ def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
 
     extra = (rank_overrides or {}).get(rank, [])
     cfg = _agree_output_dir(compose_config(list(overrides) + list(extra), config_dir), overrides)
+    if record and rank == 0:
+        _record_launch(cfg, overrides)
     with warnings.catch_warnings():  # restores showwarning (and the filters) afterwards
         warnings.showwarning = _InConfigWords(cfg, rank, warnings.showwarning)
         try:
@@ -78,6 +83,21 @@ def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
         except CacheCapacityError as e:
             raise capacity_error(cfg, e) from e
     raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
+
+
+def _record_launch(cfg: Any, overrides: Sequence[str]) -> None:
+    """Under torchrun (no Hydra record): rank 0 keeps this launch's overrides and config in
+    ``<train.output_dir>/launches/<n>/``, as the Hydra app does with Hydra's record - unless
+    the run will be refused for a previous run in its directory."""
+    from .compose import to_yaml
+    from .rundir import previous_run, record_launch
+
+    if not cfg.train.resume and previous_run(cfg) is not None:
+        return
+    import yaml
+
+    listed = yaml.safe_dump([str(o) for o in overrides], default_flow_style=False)
+    record_launch(cfg.train.output_dir, {"overrides.yaml": listed, "config.yaml": to_yaml(cfg)})
 
 
 class _InConfigWords:
@@ -118,7 +138,7 @@ def launch(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir: Opti
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
         try:
-            return [rank_main(dist.get_rank(), dist.get_world_size(), mode, overrides, config_dir)]
+            return [rank_main(dist.get_rank(), dist.get_world_size(), mode, overrides, config_dir, record=True)]
         finally:
             dist.destroy_process_group()
     if nproc < 1:

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .compose import (
@@ -33,7 +34,7 @@ from .compose import (
     validate,
 )
 from .errors import EXIT_USAGE, UserError
-from .rundir import JOB_LOG_ENV
+from .rundir import JOB_LOG_ENV, LAUNCHES, hydra_record, record_launch
 
 # Keys that name paths: under hydra.job.chdir=true the job runs inside its run directory,
 # so relative paths given on the command line are made absolute against the directory the
@@ -134,6 +135,10 @@ def _task(mode: str, nproc: int, config_dir: Optional[str], report: Report) -> C
             os.environ[JOB_LOG_ENV] = job_logs[0]
         # the search path the ranks compose with is the one this job was composed with
         overrides += [o for o in hc.overrides.hydra if o.lstrip("+~").startswith("hydra.searchpath=")]
+        if hc.output_subdir is not None:  # Hydra's record, kept: the next launch here overwrites .hydra/
+            record = hydra_record(os.path.join(hc.runtime.output_dir, hc.output_subdir))
+            if record:
+                record_launch(hc.runtime.output_dir, record)
         try:
             overrides += _pinned(node, overrides, hc.runtime.output_dir, hc.runtime.cwd)
             cfg = validate(node)
@@ -165,6 +170,10 @@ def _record_in_run_dir(argv: List[str], overrides: Sequence[str], cfg: Any, npro
     check_inputs(cfg, nproc)  # data files, and the checkpoint a resume continues from (on nproc ranks)
     if any(o.lstrip("+~").startswith("hydra.run.dir=") for o in overrides):
         return argv  # the user chose it; train.output_dir follows it unless set too
+    run_dir = Path(cfg.train.output_dir)
+    earlier = hydra_record(run_dir / ".hydra")
+    if earlier and not (run_dir / LAUNCHES).exists():  # a run from before launch records: keep its record
+        record_launch(run_dir, earlier)
     return [*argv, f"hydra.run.dir={_quote(str(cfg.train.output_dir))}"]
 
 

@@ -162,8 +162,7 @@ class Trainer:
         if self.ckpt is None or not self.cfg.train.resume:
             return
         path = self.ckpt.latest()
-        if path is None:
-            self.log.info("train.resume: no complete checkpoint in %s, starting from scratch", self.ckpt.directory)
+        if path is None:  # (build_run said so, once)
             return
         changes = check_resume(self.ckpt, path, self.cfg)
         manifest = self.ckpt.manifest(path)

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from ..config.schema import Config
 from .errors import CheckpointError, UserError
@@ -25,6 +25,35 @@ STEP_DIR = re.compile(r"step_\d{8}")  # a checkpoint's directory name (the step,
 # Set by the Hydra app for the ranks it launches: Hydra's job log (<run dir>/<mode>.log),
 # where rank 0's log goes too.
 JOB_LOG_ENV = "TORCHREC_PROACTIVE_JOB_LOG"
+
+
+# Each launch's record in its run directory: <run dir>/launches/<n>/ (001 the first launch,
+# then one per resume). Hydra's .hydra/ is overwritten by every launch into the directory.
+LAUNCHES = "launches"
+
+
+def record_launch(run_dir: Path, files: Mapping[str, str]) -> Path:
+    """Writes ``files`` (name -> text) as the next launch record of ``run_dir``
+    (``launches/001``, ``launches/002``, ...) and returns its directory."""
+    root = Path(run_dir) / LAUNCHES
+    root.mkdir(parents=True, exist_ok=True)
+    n = 1 + max((int(p.name) for p in root.iterdir() if p.name.isdigit()), default=0)
+    while True:
+        target = root / f"{n:03d}"
+        try:
+            target.mkdir()
+            break
+        except FileExistsError:  # (another launch took the number)
+            n += 1
+    for name, text in files.items():
+        (target / name).write_text(text)
+    return target
+
+
+def hydra_record(directory: Path) -> Dict[str, str]:
+    """The YAML files of a Hydra record (``.hydra/``), by name; empty if there is none."""
+    directory = Path(directory)
+    return {p.name: p.read_text() for p in sorted(directory.glob("*.yaml"))} if directory.is_dir() else {}
 
 
 def checkpoint_dir(cfg: Config) -> Path:
