@@ -218,3 +218,22 @@ def test_hydra_record_and_job_log_are_in_the_run_dir(tmp_path: Path) -> None:
     log = (run_dir / "compare.log").read_text()
     assert "compare: reactive (prefetch off, depth 0) and proactive (depth 2)" in log, log
     assert "Successfully loaded" not in log + run.out + run.err, run
+
+
+def test_every_path_key_is_made_absolute_when_hydra_changes_directory(tmp_path: Path, monkeypatch) -> None:
+    """Under hydra.job.chdir=true a relative path on the command line means the directory the
+    user started from: the data, the preprocessed arrays, the run and checkpoint directories and
+    the cache profile (cache.profile_path was left relative to the run directory)."""
+    from omegaconf import OmegaConf
+
+    from torchrec_proactive.app.hydra_app import _pinned
+
+    keys = {"data.root": "d", "data.preprocessed_dir": "p", "train.output_dir": "o", "train.checkpoint_dir": "c",
+            "cache.profile_path": "prof.json"}
+    node = OmegaConf.structured(compose_config([f"{k}={v}" for k, v in keys.items()]))
+    start = tmp_path / "start"
+    monkeypatch.chdir(tmp_path)
+    pins = _pinned(node, [f"{k}={v}" for k, v in keys.items()], str(tmp_path / "run"), str(start))
+    for key, value in keys.items():
+        assert f"{key}='{start / value}'" in pins, (key, pins)
+        assert OmegaConf.select(node, key) == str(start / value)

@@ -34,7 +34,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """argparse's defaults in every option's help, descriptions and epilogs kept as written.
 
     Options without a meaningful default (``None``: the help says what happens instead,
-    required ones, positionals) get no "(default: ...)" suffix."""
+    required ones, positionals) get no "(default: ...)" suffix. Descriptions and epilogs lose
+    their reStructuredText markup (``--help`` is read in a terminal)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        from .bench.cli_args import plain_text  # (stdlib only)
+
+        return super()._fill_text(plain_text(text), width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> Optional[str]:
         if action.default is None or action.required or not action.option_strings:
@@ -89,7 +95,11 @@ def _config_epilog() -> str:
               f"  {', '.join(tree.get('experiment', []))}", "",
               "every field, with its default and limits: train --cfg, and torchrec_proactive/config/schema.py.",
               "outputs: Hydra's run directory (default outputs/<date>/<time>, new for every run); a directory",
-              "that holds a previous run is refused unless train.resume=true, which continues it.", "",
+              "that holds a previous run is refused unless train.resume=true, which continues it.",
+              "data: data.root (default data/synthetic, under the current directory: generated data goes",
+              "there); preprocessed arrays go to <data set>/preprocessed (data.preprocessed_dir) and the",
+              "cache profile to <data set>/cache_profile.json (cache.profile_path): set both to leave the",
+              "data directory unwritten.", "",
               HYDRA_OPTIONS]
     return "\n".join(lines)
 

@@ -39,7 +39,7 @@ from .rundir import JOB_LOG_ENV, LAUNCHES, hydra_record, record_launch
 # Keys that name paths: under hydra.job.chdir=true the job runs inside its run directory,
 # so relative paths given on the command line are made absolute against the directory the
 # user started from (what hydra.utils.to_absolute_path does) before the ranks see them.
-PATH_KEYS = ("data.root", "data.preprocessed_dir", "train.output_dir", "train.checkpoint_dir")
+PATH_KEYS = ("data.root", "data.preprocessed_dir", "train.output_dir", "train.checkpoint_dir", "cache.profile_path")
 
 Report = Callable[[List[Any]], None]
 

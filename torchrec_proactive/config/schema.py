@@ -114,9 +114,11 @@ class DataConfig:
     """``criteo``: directory holding the TSV files. ``synthetic``: a directory written by
     ``torchrec-proactive gen-data --out-dir`` (used as it is), else the parent directory of
     data sets generated on first use (each in a subdirectory named after its spec, so specs
-    never collide)."""
+    never collide). A relative path means the directory the command runs from: the default
+    generates into ``./data/synthetic``."""
     preprocessed_dir: Optional[str] = None
-    """Binary (npy) output of preprocessing; ``None``: ``<data set dir>/preprocessed``."""
+    """Binary (npy) output of preprocessing; ``None``: ``<data set dir>/preprocessed``, inside
+    the data directory (set it, and ``cache.profile_path``, to leave that directory unwritten)."""
     num_days: int = 24
     """``terabyte`` layout: number of day files (24 in the release)."""
     num_samples: int = 100_000
@@ -250,7 +252,8 @@ class CacheConfig:
     profile_batches: int = 200
     """Global batches sampled from the training data to measure the miss-ratio curves."""
     profile_path: str = ""
-    """Where the cache profile is kept; empty: ``cache_profile.json`` in the data set's directory."""
+    """Where the cache profile is kept; empty: ``cache_profile.json`` in the data set's directory
+    (inside the data directory; a training run copies it into its run directory too)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.load_factor <= 1.0:
