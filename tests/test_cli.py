@@ -45,10 +45,11 @@ class Run:
 
 
 def cli(*args: str, cwd: Optional[Path] = None, tty: bool = False, script: Optional[Path] = None,
-        timeout: float = 240) -> Run:
-    """Runs the CLI (or ``script``) like a user; ``tty=True`` gives it a terminal as stderr."""
+        timeout: float = 240, env: Optional[Dict[str, str]] = None) -> Run:
+    """Runs the CLI (or ``script``) like a user; ``tty=True`` gives it a terminal as stderr;
+    ``env`` adds environment variables."""
     cmd = [sys.executable, str(script)] if script else [sys.executable, "-m", "torchrec_proactive.cli"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
     if not tty:
@@ -275,3 +276,28 @@ def test_compare_prints_a_table_and_logs_the_config_once(tmp_path: Path) -> None
     assert re.search(r"^mode\s+depth\s+samples/s", table, flags=re.M), run
     assert re.search(r"^reactive\s+0\s", table, flags=re.M) and re.search(r"^proactive\s+2\s", table, flags=re.M)
     assert "final parameters bit-identical: yes" in table
+
+
+@pytest.mark.skipif(__import__("torch").version.cuda is not None, reason="needs a CPU build of torch")
+def test_a_cpu_torch_build_on_a_gpu_node_is_said_in_one_line(tmp_path: Path) -> None:
+    """A .venv bootstrapped on a GPU-less login node holds the CPU build, and a Slurm job
+    given GPUs (CUDA_VISIBLE_DEVICES set) would train on CPU without a word: one warning line
+    naming the fix; train.device=cuda is refused in one line (it was a traceback)."""
+    import torch
+
+    run = cli("train", *TINY, "train.max_steps=2", "train.eval=false", f"data.root={tmp_path / 'data'}",
+              f"train.output_dir={tmp_path / 'out'}", env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert run.rc == 0, run
+    said = [line for line in run.err.splitlines() if "CPU build" in line]
+    assert len(said) == 1, run
+    for words in ("CUDA_VISIBLE_DEVICES=0,1", torch.__version__, "scripts/bootstrap.sh", "nvidia-smi",
+                  "train.device=cpu"):
+        assert words in said[0], (words, said[0])
+
+    from torchrec_proactive.app.env import cpu_build_note, pick_device
+    from torchrec_proactive.app.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.device='cuda'.*CPU build.*scripts/bootstrap.sh"):
+        pick_device("cuda", 0)
+    assert cpu_build_note({"CUDA_VISIBLE_DEVICES": ""}) is None  # no GPU given to the job
+    assert cpu_build_note({"CUDA_VISIBLE_DEVICES": "-1"}) is None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from ..config.schema import Config
 from .compose import config_hash, diff, flatten
+from .errors import ConfigError
 from .rundir import JOB_LOG_ENV
 
 
@@ -40,11 +42,40 @@ class RankEnv:
         return self.rank == 0
 
 
+def _gpus_given(environ: Mapping[str, str]) -> Optional[str]:
+    """What says this job was given GPUs (``CUDA_VISIBLE_DEVICES`` naming devices - Slurm's
+    ``--gres=gpu`` sets it - else an NVIDIA device file), or None."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        shown = visible.strip()
+        return f"CUDA_VISIBLE_DEVICES={shown}" if shown and shown not in ("-1", "NoDevFiles") else None
+    devices = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    return devices[0] if devices else None
+
+
+def cpu_build_note(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """One line when this job was given GPUs but its torch is a CPU build (it would train on
+    CPU), naming the fix; None otherwise."""
+    given = _gpus_given(os.environ if environ is None else environ)
+    if given is None or torch.version.cuda is not None:
+        return None
+    return (f"this job was given GPUs ({given}) but its torch is a CPU build (torch {torch.__version__} in "
+            f"{sys.prefix}), so it trains on CPU: scripts/bootstrap.sh installs the CUDA stack only where "
+            f"nvidia-smi works, so a .venv made on a GPU-less login node is the CPU build - rebuild it on a GPU "
+            f"node (rm -rf .venv; srun --gres=gpu:1 bash scripts/bootstrap.sh), or set train.device=cpu to train "
+            f"on CPU on purpose")
+
+
 def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' is invalid: no CUDA device is available")
+        if torch.version.cuda is None:
+            raise ConfigError(f"train.device='cuda' is invalid: this torch is a CPU build (torch {torch.__version__} "
+                              f"in {sys.prefix}); scripts/bootstrap.sh installs the CUDA stack only where nvidia-smi "
+                              f"works: rebuild the .venv on a GPU node (rm -rf .venv; bash scripts/bootstrap.sh there)")
+        raise ConfigError("train.device='cuda' is invalid: no CUDA device is available (torch "
+                          f"{torch.__version__}, CUDA {torch.version.cuda}; nvidia-smi shows what the node has)")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

@@ -20,7 +20,7 @@ from . import data as data_lib
 from . import model as model_lib
 from .checkpoint import Checkpointer
 from .compose import to_yaml
-from .env import check_same_config, make_env, seed_everything, setup_logging
+from .env import check_same_config, cpu_build_note, make_env, seed_everything, setup_logging
 from .loop import Summary, Trainer, check_resume
 from .result import TrainResult
 from .rundir import check_run_dir, checkpoint_dir, latest_checkpoint
@@ -57,6 +57,9 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     if log_config:
         log.info("config %s on %d rank(s), device %s, link %s", digest, env.world_size, env.device,
                  describe_link(cfg))
+        note = cpu_build_note() if cfg.train.device == "auto" else None
+        if note:
+            log.warning("%s", note)
     if cfg.train.resume and latest_checkpoint(checkpoint_dir(cfg)) is None:
         log.info("train.resume: no complete checkpoint in %s (set train.output_dir to the directory of the run "
                  "to continue); starting from scratch", checkpoint_dir(cfg))
