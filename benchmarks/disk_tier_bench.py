@@ -78,7 +78,7 @@ def main() -> None:
     torch.manual_seed(0)
     init = torch.randn(a.rows, a.dim) * 0.01
     slots = int(a.device_cache_frac * a.rows)
-    record = a.dim * 4 + 4
+    record = a.dim * 4 + 8  # (the record is padded to 8 bytes)
     host_bytes = int(a.host_cache_frac * a.rows * record)
     configs = [("reactive", 0, "disk")] + [(f"depth_{d}", d, "disk") for d in depths] + [("dram", max(depths), "dram")]
     rates: Dict[str, List[float]] = {name: [] for name, _, _ in configs}
@@ -94,14 +94,16 @@ def main() -> None:
                     table = TieredTable.on_disk("t", a.rows, a.dim, config, num_slots=slots, directory=d,
                                                 host_cache_bytes=host_bytes, initial_weight=init, io_threads=32)
                 try:
+                    s0 = table.disk.stats() if tier == "disk" else {}  # (after writing the initial rows)
                     rate = _run(table, batches, depth, a.step_ms / 1e3)
                     rates[name].append(rate)
                     if tier == "disk":
-                        s = table.disk.stats()
+                        s = {k: v - s0.get(k, 0) for k, v in table.disk.stats().items()}
                         info.setdefault(name, {}).update(  # type: ignore[union-attr]
-                            o_direct=table.disk.file.o_direct, disk_pages_per_step=s["pages_read"] / a.steps,
+                            o_direct=table.disk.file.o_direct, disk_rows_per_step=s["rows_read"] / a.steps,
+                            disk_pages_per_step=s["pages_read"] / a.steps,
                             max_requests_in_flight=s["max_requests_in_flight"],
-                            table_bytes=table.disk.file.size, host_cache_bytes=table.disk.num_slots * 4096)
+                            table_bytes=table.disk.file.size, host_cache_bytes=table.disk.num_slots * table.disk.record)
                     if r == a.rounds - 1:
                         engine = FetchEngine()
                         engine.flush([table])

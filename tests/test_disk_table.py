@@ -56,17 +56,18 @@ def test_a_table_on_disk_trains_as_the_table_in_dram(tmp_path, optim):
     config = OptimizerConfig(optim, learning_rate=0.05)
     want = _rows_of(_train(TieredTable("t", init.clone(), config, num_slots=300), depth=0))
     for depth in (0, 1, 3):
-        # Device cache 1.5% of the rows; host cache 300 pages, of the file's 667 (row-wise
-        # Adagrad, 30 rows a page) or 2000 (Adam, 10 a page).
+        # Device cache 1.5% of the rows; host cache 3000 rows (15%).
+        record = 4 * DIM * (3 if optim == OptimType.ADAM else 1) + (0 if optim == OptimType.ADAM else 8)
         table = TieredTable.on_disk("t", ROWS, DIM, config, num_slots=300, directory=tmp_path,
-                                    host_cache_bytes=300 * 4096, initial_weight=init)
+                                    host_cache_bytes=3000 * record, initial_weight=init)
+        assert table.disk.num_slots == 3000
         try:
             _train(table, depth)
             got = _rows_of(table)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (optim, depth)
             disk = table.disk.stats()
-            assert table.disk.num_pages > 2 * table.disk.num_slots  # the table does not fit the host cache
-            assert disk["page_misses"] > table.disk.num_slots and disk["pages_written"] > 0, disk
+            assert table.disk.num_rows > 5 * table.disk.num_slots  # the table does not fit the host cache
+            assert disk["row_misses"] > table.disk.num_slots and disk["rows_written"] > 0, disk
             assert table.stats.rows_fetched > 300  # and not the device cache
         finally:
             table.close()

@@ -296,7 +296,7 @@ class TieredTable:
         _, record = record_layout(components)
         file = RowFile(Path(directory) / f"{name}.rows", num_rows, record, table=name, io_threads=io_threads)
         try:
-            disk = DiskHostTier(file, components, max(1, int(host_cache_bytes) // file.layout.page_bytes))
+            disk = DiskHostTier(file, components, max(1, int(host_cache_bytes) // record))
             if initial_weight is not None:
                 rows = torch.arange(num_rows)
                 state = [torch.zeros(num_rows, c.width) for c in components[1:]]
