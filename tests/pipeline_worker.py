@@ -299,3 +299,21 @@ def leaked_pins(rank: int, world_size: int) -> Dict[str, Any]:
     pipe4.reset()
     ebc.check_invariants(expect_drained=True)
     return out
+
+
+def per_table_stats(rank: int, world_size: int) -> Dict[str, Any]:
+    """``stats(per_table=True)`` and ``reset_stats()`` on one rank: t0 and t1 (one dim) share
+    a TorchRec group and so one store; t2 (another dim) has its own."""
+    from torchrec import EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=500, feature_names=[f"f{i}"])
+              for i, dim in enumerate((8, 8, 16))]
+    dmp, opt = _proactive(tables, SparseModel(tables).state_dict(), sharding="table_wise", cache_load_factor=0.3)
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    _run(pipe, [make_batch(tables, 16, seed=i) for i in range(5)])
+    before = {"total": pipe.stats(), "tables": pipe.stats(per_table=True)}
+    pipe.reset_stats()
+    reset = {"total": pipe.stats(), "tables": pipe.stats(per_table=True)}
+    _run(pipe, [make_batch(tables, 16, seed=10 + i) for i in range(3)])
+    after = {"total": pipe.stats(), "tables": pipe.stats(per_table=True)}
+    return {"before": before, "reset": reset, "after": after}

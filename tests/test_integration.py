@@ -207,3 +207,22 @@ def test_no_pin_outlives_its_batch_and_loads_apply_mid_flight():
         assert res["in_flight_after_peeks"] <= 1 and res["pins_after_peeks"] < res["slots"] // 2, res
         assert res["lookup_after_load_reads_loaded_rows"], res
         assert res["load_after_peeks"] and res["drained_after_drop"] and res["model_load_applied"], res
+
+
+def test_stats_per_table_add_up_to_the_totals_and_reset():
+    """``stats(per_table=True)``: each store's figures, keyed by the tables it serves (a
+    TorchRec group of several tables is one store: ``t0+t1``), adding up to ``stats()``;
+    ``reset_stats()`` zeroes both, and counting starts again from the next batch."""
+    res = run_ranks(pipeline_worker.per_table_stats, world_size=1)[0]
+    for phase in ("before", "after"):
+        total, tables = res[phase]["total"], res[phase]["tables"]
+        assert sorted(tables) == ["t0+t1", "t2"], tables
+        for key in ("rows_requested", "hits", "rows_fetched", "rows_written_back", "bytes_moved", "overflow_rows"):
+            assert sum(t[key] for t in tables.values()) == total[key], (phase, key, tables, total)
+        for t in tables.values():
+            assert t["rows_requested"] > 0 and t["hit_rate"] == t["hits"] / t["rows_requested"]
+    assert res["before"]["total"]["batches"] == 5 and res["after"]["total"]["batches"] == 3
+    reset = res["reset"]
+    assert all(v == 0 for k, v in reset["total"].items() if k != "hit_rate"), reset["total"]
+    assert all(v == 0 for t in reset["tables"].values() for k, v in t.items() if k != "hit_rate"), reset["tables"]
+    assert res["after"]["total"]["rows_requested"] < res["before"]["total"]["rows_requested"]

@@ -6,6 +6,8 @@ used without TorchRec; ``dir(torchrec_proactive)`` lists it):
 * :class:`ProactiveEmbeddingBagCollectionSharder` - swap in for ``EmbeddingBagCollectionSharder``.
 * :class:`ProactiveTrainPipeline` - swap in for ``TrainPipelineSparseDist``.
 * :class:`ProactiveShardedEmbeddingBagCollection` - the sharded module the sharder builds.
+* :class:`ProactiveOptions` - how the sharder caches proactive tables (its keyword
+  arguments, as the sharder holds them: ``sharder.options``).
 * :class:`LinkModel` - an emulated host-to-device link for CPU runs (``torchrec_proactive.fetch``).
 * :mod:`torchrec_proactive.store` / :mod:`torchrec_proactive.fetch` - the store and fetch engine.
 * :func:`load_checkpoint` - ``dcp.load`` that reads ``.metadata`` safely (no code from the
@@ -21,6 +23,7 @@ _LAZY = {
     "ProactiveEmbeddingBagCollectionSharder": "torchrec_proactive.integration.sharder",
     "ProactiveShardedEmbeddingBagCollection": "torchrec_proactive.integration.sharded_ebc",
     "ProactiveTrainPipeline": "torchrec_proactive.integration.pipeline",
+    "ProactiveOptions": "torchrec_proactive.integration.options",
     "LinkModel": "torchrec_proactive.fetch",
     "load_checkpoint": "torchrec_proactive.checkpoint",
 }

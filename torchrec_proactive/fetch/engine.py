@@ -145,7 +145,18 @@ class InlineTransport(Transport):
 
 @dataclass(frozen=True)
 class LinkModel:
-    """A copy engine: one transfer at a time, ``latency_us + bytes / bandwidth``."""
+    """An emulated host-to-device link for CPU runs: one transfer at a time, each taking
+    ``latency_us + bytes / bandwidth``. Pass it as the sharder's ``link=`` so that cold-row
+    fetches cost time on CPU as they do over PCIe (the copies are real; each completes no
+    earlier than the model says). Ignored on CUDA, where the copy stream is the link.
+
+    Args:
+        bandwidth_gbps: the link's bandwidth in GB/s (1e9 bytes per second), > 0. PCIe 4.0
+            x16 moves about 25; the default 2.0 makes a CPU run's fetches visibly costly.
+        latency_us: fixed cost of each transfer in microseconds, >= 0: one per fetch (a
+            batch's fills and write-backs go together); a fetch that moves nothing costs
+            nothing.
+    """
 
     bandwidth_gbps: float = 2.0  # GB/s (1e9 bytes per second)
     latency_us: float = 50.0

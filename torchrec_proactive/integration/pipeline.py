@@ -52,12 +52,27 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
     raises ``StopIteration`` once the iterator is exhausted and the in-flight batches are
     drained. In ``model.eval()`` mode the forward runs under ``torch.no_grad()``.
 
+    Statistics: :meth:`stats` (sums over this rank's proactive modules, or per table with
+    ``per_table=True``) and :meth:`reset_stats`. On CPU without an emulated link (the
+    sharder's ``link=None``) fetches are in-process copies, so ``stall_s`` stays near 0 even
+    at depth 0: pass ``link=LinkModel(...)`` to see what prefetching saves on CPU (on CUDA the
+    copy stream is the link and the stall is real).
+
     Args:
         model: a ``DistributedModelParallel`` sharded with
             :class:`ProactiveEmbeddingBagCollectionSharder` (other sharded modules run stock).
         optimizer: the dense optimizer (usually a ``CombinedOptimizer`` with the fused one).
         device: training device.
         prefetch_depth: ``k``; 0 is the reactive baseline.
+        execute_all_batches: as TorchRec's: ``True`` trains the batches still in the
+            pipeline once the iterator is exhausted, then raises ``StopIteration``; ``False``
+            raises ``StopIteration`` as soon as the iterator is exhausted and keeps its
+            ``k + 1`` in-flight batches (their cache rows pinned): the next ``progress()`` with
+            a new iterator trains them first, and ``reset()`` releases them.
+        apply_jit: as TorchRec's: ``torch.jit.script`` the model's unsharded modules (passed
+            to TorchRec as is; the proactive modules are sharded, so never scripted).
+        custom_model_fwd: as TorchRec's: a function ``batch -> (losses, output)`` called
+            instead of ``model(batch)``; the sharded modules it calls are pipelined as usual.
         trace: record per-rank trace events (see :class:`PipelineTracer`) for timelines.
     """
 
@@ -411,8 +426,9 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         """Batches currently held by the pipeline (at most ``prefetch_depth + 2``)."""
         return len(self.batches)
 
-    def stats(self) -> Dict[str, float]:
-        """Cumulative fetch statistics summed over this rank's proactive modules.
+    def stats(self, per_table: bool = False) -> Dict[str, Any]:
+        """Cumulative fetch statistics summed over this rank's proactive modules (since the
+        pipeline was built, or :meth:`reset_stats`); with ``per_table=True``, per table instead.
 
         Keys: ``batches`` (one per lookup - a training step or a plain forward - for each
         module with proactive shards on this rank; plain forwards count in every key),
@@ -432,7 +448,26 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         rule) and ``external_writes`` (in-place writes into the exposed tensors that the
         cache picked up). On CPU without an emulated link (``link=None``) fetches are
         in-process copies, so ``stall_s`` stays near 0 even at depth 0.
+
+        ``per_table=True``: ``{tables: {key: value}}`` from each store this rank holds, keyed by
+        the tables it serves - ``"t2"``, or ``"t0+t1"`` where TorchRec grouped several tables
+        (same dim and sharding) into one kernel, whose store counts them together (the fused
+        param ``use_one_tbe_per_table=True`` gives one per table); summed over this rank's
+        shards of a table. Keys: ``rows_requested``, ``hits``, ``hit_rate``, ``rows_fetched``,
+        ``rows_written_back``, ``bytes_moved``, ``overflow_rows`` (the same counts as above,
+        adding up to them), ``updates``, ``late_updates``, ``external_writes``. Stall, batches,
+        fetches at lookup and deferrals are per module (a batch's lookup), so only in the sums.
         """
+        if per_table:
+            tables: Dict[str, Dict[str, float]] = {}
+            for module in self._proactive_modules:
+                for name, counts in module.table_stats().items():
+                    mine = tables.setdefault(name, dict.fromkeys(counts, 0))
+                    for key, value in counts.items():
+                        mine[key] = mine.get(key, 0) + value
+            for mine in tables.values():
+                mine["hit_rate"] = mine["hits"] / mine["rows_requested"] if mine["rows_requested"] else 1.0
+            return tables
         total: Dict[str, float] = {}
         for module in self._proactive_modules:
             for key, value in module.proactive_stats.snapshot().items():
@@ -443,6 +478,14 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         if total.get("rows_requested"):
             total["hit_rate"] = total["hits"] / total["rows_requested"]
         return total
+
+    def reset_stats(self) -> None:
+        """Zeroes every counter :meth:`stats` reads (both forms) on this rank, e.g. after a
+        warm-up, so that the next reads count only what follows. Batches already looked up are
+        counted before the reset, so none of theirs lands after it; nothing else changes (the
+        caches, pins and depth). Local to the rank: call it on every rank for global figures."""
+        for module in self._proactive_modules:
+            module.reset_proactive_stats()
 
 
 @contextlib.contextmanager

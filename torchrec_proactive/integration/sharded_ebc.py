@@ -525,6 +525,43 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._account_known(block=True)
         return self._stats
 
+    def table_stats(self) -> Dict[str, Dict[str, float]]:
+        """Each of this rank's proactive stores' counters (the store's ``TableStats``), keyed
+        by the tables it serves: ``"t2"``, or ``"t0+t1"`` for a TorchRec group of several
+        tables, which one store serves and counts together (``use_one_tbe_per_table=True`` in
+        the fused params makes one store per table). Keys as in :meth:`ProactiveStats.snapshot`
+        where they mean the same: ``rows_requested``, ``hits``, ``hit_rate``, ``rows_fetched``,
+        ``rows_written_back``, ``bytes_moved``, ``overflow_rows``; and ``updates`` (fused
+        updates applied), ``late_updates``, ``external_writes``."""
+        self._account_known(block=True)  # (on CUDA: the stores count a plan once its sizes are known)
+        out: Dict[str, Dict[str, float]] = {}
+        for kernel in self._proactive_kernels:
+            counts = {("rows_requested" if k == "lookups_rows" else k): v
+                      for k, v in kernel.store.stats.as_dict().items() if k != "hit_rate"}
+            mine = out.setdefault(kernel.store.name, dict.fromkeys(counts, 0))
+            for key, value in counts.items():
+                mine[key] = mine.get(key, 0) + value
+        for mine in out.values():
+            mine["hit_rate"] = mine["hits"] / mine["rows_requested"] if mine["rows_requested"] else 1.0
+        return out
+
+    def reset_proactive_stats(self) -> None:
+        """Zeroes this module's counters (:attr:`proactive_stats`, its records) and its stores'
+        (:meth:`table_stats`); batches looked up before are counted first, so none lands in
+        the new count. The pins, the cache and the depth are untouched."""
+        self._account_known(block=True)
+        for f in dataclasses.fields(self._stats):
+            if f.name == "keep_records":
+                continue
+            if f.name == "records":
+                self._stats.records.clear()
+            else:
+                setattr(self._stats, f.name, f.default)
+        for kernel in self._proactive_kernels:
+            stats = kernel.store.stats
+            for f in dataclasses.fields(stats):
+                setattr(stats, f.name, f.default)
+
     def _account_known(self, block: bool = False) -> None:
         """Counts looked-up batches, in order, whose plans' sizes the host knows (``block``:
         all of them, waiting for their sizes)."""
