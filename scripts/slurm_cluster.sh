@@ -77,6 +77,10 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# torchx submits a multi-node app as a heterogeneous job, which only the backfill scheduler
+# starts, once per bf_interval (30 s by default): a job (or a requeued one) would wait up to
+# 30 s for nothing on this idle cluster.
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
