@@ -6,19 +6,44 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from typing import Any, Callable, List
 
-__all__ = ["SHARDINGS", "HelpFormatter", "int_at_least", "float_above", "float_at_least", "float_in", "comma_list",
-           "checked"]
+__all__ = ["SHARDINGS", "HelpFormatter", "plain_text", "int_at_least", "float_above", "float_at_least", "float_in",
+           "comma_list", "checked"]
 
 #: ``planning.SHARDING_TYPES`` + ``auto`` (kept here so that ``--help`` and usage errors need
 #: no TorchRec import; tests/test_bench_cli.py checks that the two agree).
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "auto")
 
 
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`<]*?)(?:\s*<[^>]*>)?`")
+
+
+def _role(m: "re.Match[str]") -> str:
+    text = m.group(2)
+    return text.rsplit(".", 1)[-1] if m.group(1) else text
+
+
+def plain_text(text: str) -> str:
+    """A docstring's reStructuredText as plain text for a terminal (``--help``): inline
+    literals and roles lose their markup (a ``~`` target keeps its last part), emphasis its
+    stars, a literal block's ``::`` becomes ``:`` (or goes, after a space); the layout stays."""
+    text = _ROLE.sub(_role, text)
+    text = re.sub(r"``(.+?)``", r"\1", text, flags=re.S)
+    text = re.sub(r"(?<![\w*])\*\*([^*\n]+)\*\*(?![\w*])", r"\1", text)
+    text = re.sub(r"(?<![\w*])\*([A-Za-z][^*\n]*)\*(?![\w*])", r"\1", text)
+    text = re.sub(r"\s::$", "", text, flags=re.M)
+    return re.sub(r"::$", ":", text, flags=re.M)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults in every option's help; an option whose help already explains its default
-    (``None`` meaning "computed") is left as written."""
+    (``None`` meaning "computed") is left as written. Descriptions and epilogs keep their
+    layout and lose their reStructuredText markup (:func:`plain_text`)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text(plain_text(text), width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
