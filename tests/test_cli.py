@@ -234,6 +234,9 @@ def test_gen_data_then_train_runs_refuses_overwrite_and_resumes_a_finished_run(t
     a = first.result()
     assert a["steps"] == 6 and a["checkpoint"].endswith("step_00000006") and a["train_loss"] > 0
     metrics = (out / "rank_0" / "metrics.jsonl").read_text()
+    assert sorted(p.name for p in (out / "launches").iterdir()) == ["001"]
+    # (a run directory from before launch records has Hydra's alone: it is kept on resume)
+    __import__("shutil").rmtree(out / "launches")
 
     # a fresh run into the same directory is refused before it touches anything
     again = cli("train", *TINY, "train.max_steps=3", f"data.root={data}", f"train.output_dir={out}")

@@ -170,11 +170,15 @@ def _record_in_run_dir(argv: List[str], overrides: Sequence[str], cfg: Any, npro
     check_inputs(cfg, nproc)  # data files, and the checkpoint a resume continues from (on nproc ranks)
     if any(o.lstrip("+~").startswith("hydra.run.dir=") for o in overrides):
         return argv  # the user chose it; train.output_dir follows it unless set too
-    run_dir = Path(cfg.train.output_dir)
-    earlier = hydra_record(run_dir / ".hydra")
-    if earlier and not (run_dir / LAUNCHES).exists():  # a run from before launch records: keep its record
-        record_launch(run_dir, earlier)
     return [*argv, f"hydra.run.dir={_quote(str(cfg.train.output_dir))}"]
+
+
+def keep_earlier_record(run_dir: Path) -> None:
+    """A run directory from before launch records: its Hydra record (which this launch is
+    about to overwrite) becomes its first launch record. Called once nothing can refuse."""
+    earlier = hydra_record(Path(run_dir) / ".hydra")
+    if earlier and not (Path(run_dir) / LAUNCHES).exists():
+        record_launch(run_dir, earlier)
 
 
 def one_cache_for_the_sweep(mode: str, cfgs: Sequence[Any]) -> List[str]:
@@ -250,6 +254,8 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
 
             for c in cfgs:  # a budget below the minimum: one line before any rank starts or anything is written
                 refuse_budget_before_launch(c, nproc)
+        if not args.multirun and not args.cfg and not under_torchrun() and cfg.train.resume:
+            keep_earlier_record(cfg.train.output_dir)
     if under_torchrun() and not (inspecting or args.cfg):
         report(run_command(mode, args.overrides, nproc=nproc, config_dir=args.config_dir))
         return 0
