@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -190,3 +191,58 @@ def test_timeline_figure_shows_stalls_compute_labels_and_legend():
     assert any(lab.startswith("stall") for lab in labels), labels
     assert {"fwd", "bwd"} <= {lab.split()[0] for lab in labels}, labels
     assert any(lab.startswith("batch") for lab in labels)
+
+
+def _with_opt_steps(events, opt_s=20e-6):
+    """The recorded pipeline's dense optimizer step: a short `opt` event after each backward."""
+    return events + [TraceEvent("compute", f"opt b{e.batch}", e.batch, e.end_s, e.end_s + opt_s, e.rank)
+                     for e in events if e.name.startswith("bwd")]
+
+
+def _legend(fig):
+    (legend,) = fig.legends
+    return {t.get_text(): h for t, h in zip(legend.get_texts(), legend.legend_handles)}
+
+
+def test_batch_colours_are_distinct_and_the_legend_lists_only_what_is_drawn():
+    from matplotlib.colors import to_hex
+
+    from torchrec_proactive.bench.timeline import timeline_figure
+
+    cfgs = {"reactive (depth 0)": _with_opt_steps(_synthetic_trace(0, 16)),
+            "proactive (depth 4)": _with_opt_steps(_synthetic_trace(4, 16))}
+    fig = timeline_figure(cfgs, max_batches=7)
+    legend = _legend(fig)
+    batch_colour = {int(k.split()[1]): to_hex(h.get_facecolor()) for k, h in legend.items() if k.startswith("batch ")}
+    assert len(batch_colour) >= 11 and max(batch_colour) - min(batch_colour) >= 10, batch_colour  # b and b + 10
+    assert len(set(batch_colour.values())) == len(batch_colour), batch_colour  # one colour per batch
+    # every bar drawn has its batch's legend colour, and every phase the legend lists is drawn
+    drawn_hatches = set()
+    for ax in fig.axes:
+        for coll in ax.collections:
+            if coll.get_gid() == "stall":
+                continue
+            drawn_hatches.add(coll.get_hatch() or "")
+            assert {to_hex(c) for c in coll.get_facecolors()} <= set(batch_colour.values())
+    phases = {k: h for k, h in legend.items() if k.split()[0] in ("fwd", "bwd", "opt")}
+    assert "opt" not in {k.split()[0] for k in phases}, list(legend)  # 20 us bars: joined to their backward
+    assert any(k.startswith("bwd") and "optimizer" in k for k in phases), list(legend)
+    assert {h.get_hatch() or "" for h in phases.values()} == drawn_hatches, (list(phases), drawn_hatches)
+
+
+def test_timeline_states_the_tables_figures_and_which_steps():
+    from torchrec_proactive.bench.timeline import timeline_figure
+
+    cfgs = {"reactive (depth 0)": _synthetic_trace(0, 8), "proactive (depth 2)": _synthetic_trace(2, 8)}
+    figures = {"reactive (depth 0)": {"step_ms": 24.2, "stall_ms_per_step": 0.84, "steps": 384, "rounds": 12},
+               "proactive (depth 2)": {"step_ms": 15.1, "stall_ms_per_step": 0.0, "steps": 384, "rounds": 12}}
+    fig = timeline_figure(cfgs, max_batches=4, figures=figures)
+    boxes = [" ".join(t.get_text() for t in ax.texts if "step" in t.get_text()) for ax in fig.axes]
+    assert "median step 24.2 ms" in boxes[0] and "stall 0.84 ms/step" in boxes[0], boxes[0]
+    assert "median step 15.1 ms" in boxes[1] and "stall 0.00 ms/step" in boxes[1], boxes[1]
+    assert all("384 timed steps" in b and "12 rounds" in b for b in boxes), boxes
+    # without the table's figures: the same statistics from the trace, and which steps they cover
+    fig = timeline_figure(cfgs, max_batches=4)
+    boxes = [" ".join(t.get_text() for t in ax.texts if "step" in t.get_text()) for ax in fig.axes]
+    assert "median step 18.0 ms" in boxes[0] and "median step 14.0 ms" in boxes[1], boxes
+    assert all(re.search(r"steps \d+-\d+ of the trace", b) for b in boxes), boxes

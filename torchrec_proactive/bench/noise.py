@@ -1,11 +1,12 @@
-"""Noise estimates for the bench: every rate and every ratio with a 95% interval.
+"""Noise estimates for the bench and ``compare``: rates and ratios with a 95% interval, or none.
 
 A step's time on a shared machine is its work plus interference (the other rank, the fetch
 workers, the link emulation, the OS), which only ever adds: on a 2-core machine single steps
 of a 15 ms configuration range from 9 to 25 ms. Each configuration therefore runs in many
 short rounds (every round runs every configuration once, back to back, in rotated order) and
-each round is summarised by its *interquartile mean* step: the mean of the middle half of
-its steps, which uses half of them (a median uses one) and drops the interference spikes.
+each round is summarised by one rate (the bench: from its *interquartile mean* step, the mean
+of the middle half of its steps, which drops the interference spikes; ``compare``: from the
+round's total step time).
 
 With at least ``MIN_PAIRED_ROUNDS`` rounds:
 
@@ -15,20 +16,20 @@ With at least ``MIN_PAIRED_ROUNDS`` rounds:
   cache) moves both rates of a round together and cancels in their ratio, where a quotient
   of two separate intervals counts it twice. "Within noise" means the interval holds 1.
 
-Every interval is widened to include the reported figure (the median over every step). With
-fewer rounds (``--quick``, tests) a rate's interval is the range of its per-round rates,
-widened to the distribution-free 95% confidence interval of the median step, and two rates
-are within noise when their intervals overlap. Stdlib only.
+Every interval is widened to include the reported figure. With fewer rounds (``bench
+--quick``, short ``compare`` runs) there is no interval and no verdict: a t-interval of two
+to five values is too wide to mean anything, and the spread of one round's steps says nothing
+about the next round's. The figures are then printed bare, as a smoke test. Stdlib only.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["add_noise", "overlap", "within_noise", "paired_rounds", "noise_verdicts", "sweep_warnings",
-           "MIN_PAIRED_ROUNDS"]
+__all__ = ["add_noise", "within_noise", "paired_rounds", "paired_ratio", "format_ratio", "no_verdict",
+           "noise_verdicts", "sweep_warnings", "MIN_PAIRED_ROUNDS"]
 
 _Z95 = 1.959964
 #: Rounds from which intervals come from the per-round figures (a t-interval needs a few
@@ -59,37 +60,22 @@ def _interquartile_mean(values: Sequence[float]) -> float:
     return statistics.fmean(x[k:len(x) - k])
 
 
-def _median_ci(values: Sequence[float]) -> Tuple[float, float]:
-    """Distribution-free 95% confidence interval of the median (order statistics)."""
-    x = sorted(values)
-    n = len(x)
-    half = _Z95 * math.sqrt(n) / 2
-    lo = max(1, int(math.floor(n / 2 - half)))
-    hi = min(n, int(math.ceil(1 + n / 2 + half)))
-    return x[lo - 1], x[hi - 1]
-
-
 def add_noise(c: Dict[str, Any], samples_per_step: int) -> None:
-    """Adds ``samples_per_s_rounds``, ``samples_per_s_interval`` and ``noise_pct`` to a config."""
+    """Adds ``samples_per_s_rounds`` (one rate per round, from its interquartile mean step)
+    to a configuration, and with at least ``MIN_PAIRED_ROUNDS`` rounds ``samples_per_s_interval``
+    and ``noise_pct`` (its half-width in % of the rate)."""
     per_round = [r for r in c.get("step_ms_per_round") or [] if r]
     if not per_round:
         return
     rate = lambda ms: samples_per_step / (ms / 1e3)  # noqa: E731
     rounds = [rate(_interquartile_mean(r)) for r in per_round]
-    if len(rounds) >= MIN_PAIRED_ROUNDS:
-        lo, hi = _log_t_interval(rounds)
-    else:
-        ci_fast, ci_slow = _median_ci([t for r in per_round for t in r])
-        lo, hi = min([rate(ci_slow), *rounds]), max([rate(ci_fast), *rounds])
-    lo, hi = min(lo, c["samples_per_s"]), max(hi, c["samples_per_s"])
     c["samples_per_s_rounds"] = rounds
+    if len(rounds) < MIN_PAIRED_ROUNDS:
+        return  # no interval: see the module
+    lo, hi = _log_t_interval(rounds)
+    lo, hi = min(lo, c["samples_per_s"]), max(hi, c["samples_per_s"])
     c["samples_per_s_interval"] = [lo, hi]
     c["noise_pct"] = 100 * (hi - lo) / 2 / c["samples_per_s"]
-
-
-def overlap(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    (a_lo, a_hi), (b_lo, b_hi) = a["samples_per_s_interval"], b["samples_per_s_interval"]
-    return a_lo <= b_hi and b_lo <= a_hi
 
 
 def paired_rounds(a: Dict[str, Any], b: Dict[str, Any]) -> List[float]:
@@ -101,36 +87,61 @@ def paired_rounds(a: Dict[str, Any], b: Dict[str, Any]) -> List[float]:
     return [x / y for x, y in zip(ra, rb)]
 
 
+def no_verdict(rounds: int) -> str:
+    """What a ratio without an interval says instead (fewer rounds than a verdict needs)."""
+    return (f"no interval, no verdict: {rounds} paired round{'s' if rounds != 1 else ''}, a verdict needs at "
+            f"least {MIN_PAIRED_ROUNDS}")
+
+
+def paired_ratio(value: float, ratios: Sequence[float]) -> Dict[str, Any]:
+    """A ratio ``value`` judged on its per-round ``ratios`` (the same two configurations, round
+    by round): ``{"value", "interval", "within_noise", "paired_rounds", "verdict"}``. With fewer
+    than ``MIN_PAIRED_ROUNDS`` rounds ``interval`` and ``within_noise`` are None."""
+    n = len(ratios)
+    if n < MIN_PAIRED_ROUNDS:
+        return {"value": value, "interval": None, "within_noise": None, "paired_rounds": n,
+                "verdict": no_verdict(n)}
+    lo, hi = _log_t_interval(ratios)
+    lo, hi = min(lo, value), max(hi, value)
+    within = lo <= 1.0 <= hi
+    return {"value": value, "interval": [lo, hi], "within_noise": within, "paired_rounds": n,
+            "verdict": "within noise: no measured difference" if within else "beyond noise"}
+
+
+def format_ratio(r: Dict[str, Any], unit: str = "x") -> str:
+    """``1.23x [1.10-1.37], beyond noise``, or ``1.23x (no interval, no verdict: ...)``."""
+    if r["interval"] is None:
+        return f"{r['value']:.2f}{unit} ({r['verdict']})"
+    lo, hi = r["interval"]
+    return f"{r['value']:.2f}{unit} [{lo:.2f}-{hi:.2f}], {r['verdict']}"
+
+
 def _ratio(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    value = a["samples_per_s"] / b["samples_per_s"]
-    pairs = paired_rounds(a, b)
-    if len(pairs) >= MIN_PAIRED_ROUNDS:
-        lo, hi = _log_t_interval(pairs)
-        lo, hi = min(lo, value), max(hi, value)
-        return {"value": value, "interval": [lo, hi], "within_noise": lo <= 1.0 <= hi, "paired_rounds": len(pairs)}
-    (a_lo, a_hi), (b_lo, b_hi) = a["samples_per_s_interval"], b["samples_per_s_interval"]
-    return {"value": value, "interval": [a_lo / b_hi, a_hi / b_lo], "within_noise": overlap(a, b),
-            "paired_rounds": 0}
+    return paired_ratio(a["samples_per_s"] / b["samples_per_s"], paired_rounds(a, b))
 
 
-def within_noise(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    """Whether ``a``'s and ``b``'s rates are within noise of each other (see the module)."""
-    return bool(_ratio(a, b)["within_noise"])
+def within_noise(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[bool]:
+    """Whether ``a``'s and ``b``'s rates are within noise of each other (see the module);
+    None with fewer rounds than a verdict needs."""
+    return _ratio(a, b)["within_noise"]
 
 
 def noise_verdicts(reactive: Dict[str, Any], resident: Dict[str, Any], best: Dict[str, Any],
                    proactive: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """Whether the headline ratios are beyond noise (configs carry ``samples_per_s_interval``).
+    """Whether the headline ratios are beyond noise, judged on the per-round rates
+    (``samples_per_s_rounds``); with fewer than ``MIN_PAIRED_ROUNDS`` rounds, no verdicts.
 
     All-resident is the upper bound of proactive: proactive above it is reported as "at the
     upper bound" when within noise and as an upper-bound violation (suspect figures) beyond.
     """
     speed = _ratio(best, reactive)
-    speed["verdict"] = ("within noise: no measured difference" if speed["within_noise"] else "beyond noise")
     frac = _ratio(best, resident)
     above = frac["value"] > 1.0
-    frac["upper_bound_violation"] = above and not frac["within_noise"]
-    if above and frac["within_noise"]:
+    frac["upper_bound_violation"] = bool(above and frac["within_noise"] is False)
+    if frac["within_noise"] is None:
+        if above:
+            frac["verdict"] += "; above all-resident, its upper bound: not a win"
+    elif above and frac["within_noise"]:
         frac["verdict"] = ("within noise of all-resident, its upper bound: read as 'at the upper bound', "
                            "not a win")
     elif above:
@@ -148,13 +159,12 @@ def noise_verdicts(reactive: Dict[str, Any], resident: Dict[str, Any], best: Dic
 
 def method(paired: int) -> str:
     """How the ratios' intervals were formed, in words (for the JSON and the summary)."""
-    if paired:
+    if paired >= MIN_PAIRED_ROUNDS:
         return (f"each round's rate from its interquartile mean step; ratio interval = 95% t-interval of the mean "
                 f"of the {paired} per-round log-ratios (every round runs every configuration back to back, so the "
                 "machine's drift cancels), widened to include the reported ratio; within noise = it holds 1")
-    return ("ratio interval = quotient of the two rates' intervals (each: the range of the per-round rates, widened "
-            f"to the 95% CI of the median step); within noise = the rates' intervals overlap (fewer than "
-            f"{MIN_PAIRED_ROUNDS} rounds: no per-round ratios to use)")
+    return (f"{paired} round(s): no intervals and no verdicts (they need at least {MIN_PAIRED_ROUNDS} rounds: "
+            "per-round ratios, whose spread is the noise)")
 
 
 def sweep_warnings(rows: Sequence[Dict[str, Any]]) -> List[str]:

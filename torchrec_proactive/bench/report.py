@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from .noise import add_noise, noise_verdicts, within_noise
+from .noise import MIN_PAIRED_ROUNDS, add_noise, format_ratio, noise_verdicts, within_noise
 
 __all__ = ["REQUIRED_KEYS", "COUNTER_KEYS", "VALIDATION_TOLERANCE", "summarize", "format_table"]
 
@@ -76,15 +76,17 @@ def summarize(rank0: Dict[str, Any], world_size: int) -> Dict[str, Any]:
             report[key] = res[name]["samples_per_s_interval"]
     if best and "samples_per_s_interval" in best:
         report["proactive_samples_per_s_interval"] = best["samples_per_s_interval"]
-        if "samples_per_s_interval" in reactive and "samples_per_s_interval" in resident:
-            report["noise"] = noise_verdicts(reactive, resident, best, list(proactive.values()))
+    if best and all("samples_per_s_rounds" in c for c in (best, reactive, resident)):
+        # (with fewer than noise.MIN_PAIRED_ROUNDS rounds: no intervals and no verdicts in it)
+        report["noise"] = noise_verdicts(reactive, resident, best, list(proactive.values()))
     if "auto" in res:
         report["auto_depth"] = res["auto"].get("chosen_depth")
         report["auto_samples_per_s"] = res["auto"]["samples_per_s"]
     if "cache100" in res:
         report["cache100_overhead_vs_resident"] = resident["samples_per_s"] / res["cache100"]["samples_per_s"]
-        if "samples_per_s_interval" in res["cache100"] and "samples_per_s_interval" in resident:
-            report["cache100_within_noise_of_resident"] = within_noise(res["cache100"], resident)
+        within = within_noise(res["cache100"], resident)
+        if within is not None:
+            report["cache100_within_noise_of_resident"] = within
     return report
 
 
@@ -101,9 +103,10 @@ def _workload_lines(report: Dict[str, Any]) -> List[str]:
         f"cache load factor {settings['cache_load_factor']:g}; {settings['measure_steps']} timed steps x {settings['rounds']} "
         f"round(s) per configuration"
     ]
-    if settings["rounds"] < 2:
-        lines.append("one round: a smoke test, not a measurement - the intervals below come from that round's "
-                     "step times alone (run without --quick, at least 6 rounds - the default is 12 - for ratios to quote)")
+    if settings["rounds"] < MIN_PAIRED_ROUNDS:
+        rounds = "one round" if settings["rounds"] == 1 else f"{settings['rounds']} rounds"
+        lines.append(f"{rounds}: a smoke test, not a measurement - no intervals and no verdicts below (they need at "
+                     f"least {MIN_PAIRED_ROUNDS} rounds; run without --quick, whose default is 12, for ratios to quote)")
     return lines
 
 
@@ -140,14 +143,16 @@ def format_table(report: Dict[str, Any]) -> str:
         )
     noise = report.get("noise")
     if report.get("speedup_vs_reactive") is not None:
-        speed = f"proactive (depth {report['best_depth']}) / reactive = {report['speedup_vs_reactive']:.2f}x"
-        frac = f"proactive / all-resident = {report['fraction_of_resident']:.2f}"
+        speed = f"proactive (depth {report['best_depth']}) / reactive = "
+        frac = "proactive / all-resident = "
         if noise:
-            s, f = noise["speedup_vs_reactive"], noise["fraction_of_resident"]
-            speed += f" [{s['interval'][0]:.2f}-{s['interval'][1]:.2f}], {s['verdict']}"
-            frac += f" [{f['interval'][0]:.2f}-{f['interval'][1]:.2f}], {f['verdict']}"
-        elif report["fraction_of_resident"] > 1:
-            frac += " (above its upper bound: noise, not a win)"
+            speed += format_ratio(noise["speedup_vs_reactive"])
+            frac += format_ratio(noise["fraction_of_resident"], unit="")
+        else:
+            speed += f"{report['speedup_vs_reactive']:.2f}x"
+            frac += f"{report['fraction_of_resident']:.2f}"
+            if report["fraction_of_resident"] > 1:
+                frac += " (above all-resident, its upper bound: not a win)"
         lines.append(f"{speed}; stall {report['stall_ms_reactive']:.1f} -> {report['stall_ms_proactive']:.1f} ms/step")
         lines.append(frac)
         if noise and noise["depths_within_noise_of_best"]:
@@ -184,8 +189,11 @@ def format_table(report: Dict[str, Any]) -> str:
                          f"{row['depth1_ms'] / row['best_depth_ms']:.2f}x depth 1)")
     if "auto_depth" in report:
         lines.append(f"auto chose depth {report['auto_depth']}")
-    if noise:
+    if noise and noise["speedup_vs_reactive"]["interval"] is not None:
         lines.append(f"±%: half-width of each rate's interval; {noise['method']}")
+    lines.append("step ms: the median step (a step's time: its slowest rank's) over every timed step of every round; "
+                 "p90 ms: the 90th percentile of the same; stall ms: per step, the slowest rank's mean over the same "
+                 "steps (--timeline states these figures)")
     lines.append("plan ms / cpu ms: planning per step, wall time and the planning thread's CPU time (planning "
                  "overlaps the output all-to-all); deferred: prefetches per step that waited for pins; "
                  "overflow: rows per step served from the host tier (cache smaller than one batch); "

@@ -18,8 +18,9 @@ whose bandwidth is calibrated, unless given, so that one step's cold fetch costs
 
 Every configuration runs once per round, ``--rounds`` rounds (rotated order): many short
 rounds rather than a few long ones, so that each ratio is judged on per-round ratios, which
-cancel the machine's drift. Each rate and each ratio comes with a 95% interval
-(``noise.py``); a ratio is "within noise" when its interval holds 1. Every rank runs one
+cancel the machine's drift. From 6 rounds on, each rate and each ratio comes with a 95%
+interval (``noise.py``) and a ratio is "within noise" when its interval holds 1; fewer
+rounds (``--quick``: 1) print the figures bare, with no interval and no verdict. Every rank runs one
 intra-op thread per core it has to itself (ranks and the fetch workers share the cores).
 Progress goes to stderr, the summary to stdout
 (``--json -``: the JSON report to stdout and the summary to stderr).
@@ -36,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence
 # (benchmarks/soak.py and gpu_check.py take the argument types from here too)
 from .cli_args import (SHARDINGS, HelpFormatter, checked, comma_list, float_above, float_at_least,  # noqa: F401
                        float_in, int_at_least)
-from .noise import sweep_warnings
+from .noise import MIN_PAIRED_ROUNDS, format_ratio, sweep_warnings
 from ..quiet import quiet_third_party
 from .report import COUNTER_KEYS, REQUIRED_KEYS, format_table, summarize
 
@@ -116,6 +117,15 @@ def run_bench(settings: Any, world_size: int = 2, timeout_s: float = 1800, label
     return {"report": report, "raw": out}
 
 
+def timeline_figures(report: Dict[str, Any], picked: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
+    """The table's step and stall figures of the configurations in the picture (label ->
+    configuration name), with the steps they cover: the picture states these, not others."""
+    by_name = {c["name"]: c for c in report["configs"] if "error" not in c}
+    return {label: {"step_ms": by_name[name]["step_ms_median"], "stall_ms_per_step": by_name[name]["stall_ms_per_step"],
+                    "steps": by_name[name]["steps_measured"], "rounds": by_name[name].get("rounds", 1)}
+            for label, name in picked.items() if name in by_name}
+
+
 def _write_timeline(raw: List[Dict[str, Any]], report: Dict[str, Any], out_dir: Path) -> List[Path]:
     from .timeline import render_timeline_png, write_chrome_trace
 
@@ -125,8 +135,9 @@ def _write_timeline(raw: List[Dict[str, Any]], report: Dict[str, Any], out_dir: 
         picked[f"proactive (depth {report['best_depth']})"] = best
     events = {label: [e for r in raw for e in r["traces"].get(name, [])] for label, name in picked.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    png = render_timeline_png(events, out_dir / "timeline.png", max_batches=6,
-                              title=f"{report['world_size']} gloo ranks, emulated link {report['link']['bandwidth_gbps']:.3g} GB/s")
+    png = render_timeline_png(events, out_dir / "timeline.png", max_batches=6, figures=timeline_figures(report, picked),
+                              title=f"{report['world_size']} gloo ranks, emulated link {report['link']['bandwidth_gbps']:.3g} "
+                                    f"GB/s; bars: each configuration's first round, as traced")
     trace = write_chrome_trace(events, out_dir / "timeline.trace.json")
     return [png, trace]
 
@@ -141,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--quick", action="store_true",
                      help="small model, few steps: at most 4 tables x 20k rows, batch 256, 4 + 10 steps, depths "
                           "1,2,4 and 1 round unless --rounds is given (10-30 s, 1.5-5 min with --scaling; a smoke "
-                          "test, too short for ratios)")
+                          "test: no intervals and no verdicts)")
     out.add_argument("--json", type=Path, metavar="PATH",
                      help="write the JSON report here ('-': to stdout, the summary then goes to stderr); "
                           "default: no JSON")
@@ -209,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--warmup", type=int_at_least(1), default=8, metavar="N", help="warm-up steps per run, not timed")
     m.add_argument("--steps", type=int_at_least(1), default=32, metavar="N", help="timed steps per run (round)")
     m.add_argument("--rounds", type=int_at_least(1), default=None, metavar="N",
-                   help="times each configuration runs, in rotated order; ratios are judged on the per-round "
-                        f"ratios from 6 rounds on (default: {DEFAULT_ROUNDS}, 1 with --quick)")
+                   help="times each configuration runs, in rotated order; from 6 rounds on, rates and ratios get "
+                        "95%% intervals and verdicts from the per-round figures, fewer rounds none "
+                        f"(default: {DEFAULT_ROUNDS}, 1 with --quick)")
     m.add_argument("--link-bandwidth-gbps", type=float_above(0.0), default=None, metavar="GBPS",
                    help="emulated link bandwidth (default: calibrated to --target-fetch-fraction)")
     m.add_argument("--link-latency-us", type=float_at_least(0.0), default=100.0, metavar="US",
@@ -238,14 +250,20 @@ def _sweep(args: argparse.Namespace, settings: Any, summary: Any) -> int:
         # never which rows move (a deterministic check of the sweep, unlike its rates).
         row["counters"] = {c["name"]: {k: c.get(k) for k in COUNTER_KEYS} for c in rep["configs"] if "error" not in c}
         rows.append(row)
-        proactive = (f"proactive {rep['proactive_samples_per_s']:.0f}/s (depth {rep['best_depth']}), speed-up "
-                     f"{rep['speedup_vs_reactive']:.2f}x" if rep["best_depth"] is not None else "proactive: every depth failed")
+        speed = (format_ratio(rep["noise"]["speedup_vs_reactive"]) if rep.get("noise")
+                 else f"{rep['speedup_vs_reactive']:.2f}x" if rep["best_depth"] is not None else "")
+        proactive = (f"proactive {rep['proactive_samples_per_s']:.0f}/s (depth {rep['best_depth']}), speed-up {speed}"
+                     if rep["best_depth"] is not None else "proactive: every depth failed")
         print(f"{bw:>8.4g} GB/s: reactive {rep['reactive_samples_per_s']:.0f}/s, {proactive}, "
               f"resident {rep['resident_samples_per_s']:.0f}/s", file=summary, flush=True)
     found = sweep_warnings(rows)
     for w in found:
         print(f"WARNING: {w}", file=summary, flush=True)
-    if not found and len(rows) > 1:
+    judged = all(r.get("reactive_samples_per_s_interval") for r in rows)
+    if not judged and len(rows) > 1:
+        print(f"rates not judged for monotonicity: fewer than {MIN_PAIRED_ROUNDS} rounds per point give no "
+              f"intervals (--rounds {settings.rounds})", file=summary, flush=True)
+    elif not found and len(rows) > 1:
         print(f"rates are monotonic in bandwidth (within noise) over {len(rows)} points", file=summary, flush=True)
     _write_json(args.json, {"sweep": rows, "warnings": found})
     return 0

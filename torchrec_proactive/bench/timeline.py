@@ -18,7 +18,8 @@ Unknown lanes are kept and placed after these, in alphabetical order.
   one process per configuration, one thread per (rank, lane); opens in chrome://tracing and
   Perfetto.
 * :func:`render_timeline_png` - the picture of the paper's Fig. 1: one subplot per
-  configuration, one row per lane (per rank), bars coloured by batch index.
+  configuration, one row per lane (per rank), bars coloured by batch index, each subplot
+  stating its median step and stall per step (the bench table's, when given).
 * :func:`summarize` - busy time per lane and how much of the fetch time is hidden.
 
 Nothing here imports TorchRec or torch; matplotlib is used through its Agg canvas only (no
@@ -41,6 +42,8 @@ __all__ = [
     "write_chrome_trace",
     "render_timeline_png",
     "timeline_figure",
+    "batch_colour",
+    "BATCH_COLOURS",
     "MIN_STALL_WIDTH",
     "summarize",
     "dump_events",
@@ -442,6 +445,84 @@ _STALL_COLOR = "crimson"
 #: Hatches of the compute phases (event names "fwd b3", "bwd b3", "opt b3").
 _PHASE_HATCH = {"fwd": "", "bwd": "////", "opt": "xxxx"}
 _PHASE_LABEL = {"fwd": "fwd (forward)", "bwd": "bwd (backward)", "opt": "opt (optimizer)"}
+_BWD_OPT_LABEL = "bwd (backward, then the dense optimizer step)"
+#: Batches take colours in turn from this many: tab20's ten dark shades, then its ten light
+#: ones. Batches fewer than 20 apart differ in colour, and fewer than 10 apart (every batch
+#: in flight at once up to depth 8) in hue.
+BATCH_COLOURS = 20
+
+
+def batch_colour(batch: int) -> Tuple[float, float, float, float]:
+    """The colour of ``batch``'s bars (RGBA): see :data:`BATCH_COLOURS`."""
+    from matplotlib import colormaps
+
+    i = batch % BATCH_COLOURS
+    return colormaps["tab20"](2 * i if i < 10 else 2 * (i - 10) + 1)
+
+
+def _join_optimizer_steps(events: Sequence[TraceEvent]) -> Tuple[List[TraceEvent], bool]:
+    """Each ``opt`` bar joined to its batch's ``bwd`` bar (the dense optimizer step follows the
+    backward and is far thinner than a pixel on a step's scale); ``opt`` bars without a
+    backward of their batch stay. Returns the events and whether any was joined."""
+    bwd = {(e.rank, e.batch): e for e in events if e.lane == "compute" and _phase(e) == "bwd"}
+    ends: Dict[Tuple[int, int], float] = {}
+    out: List[TraceEvent] = []
+    for e in events:
+        key = (e.rank, e.batch)
+        if e.lane == "compute" and _phase(e) == "opt" and key in bwd:
+            ends[key] = max(ends.get(key, bwd[key].end_s), e.end_s)
+        else:
+            out.append(e)
+    return [replace(e, end_s=ends[(e.rank, e.batch)]) if e.lane == "compute" and _phase(e) == "bwd"
+            and (e.rank, e.batch) in ends else e for e in out], bool(ends)
+
+
+def _trace_figures(evs: Sequence[TraceEvent], warm: int) -> Dict[str, Any]:
+    """The bench table's statistics from a trace: the median step (first compute start to the
+    next one; per step the slowest rank) and the stall per step (the ``stall`` lane, else the
+    fetch time nothing else hid; the slowest rank), over the same steps: those that start after
+    ``warm`` warm-up batches and have a next step."""
+    ranks = sorted({e.rank for e in evs})
+    durations: Dict[int, float] = {}
+    stalls: List[float] = []
+    steps: List[int] = []
+    for r in ranks:
+        mine = _skip_warmup([e for e in evs if e.rank == r], warm)
+        starts = _step_starts(mine)
+        counted = {b for (b, _), _ in zip(starts, starts[1:])}
+        for (b, s0), (_, s1) in zip(starts, starts[1:]):
+            durations[b] = max(durations.get(b, 0.0), s1 - s0)
+        if any(e.lane == "stall" for e in mine):
+            stall = sum(e.duration_s for e in mine if e.lane == "stall" and e.batch in counted)
+        else:
+            stall = summarize([e for e in mine if e.batch in counted])["stall_s"]
+        stalls.append(stall / len(counted) if counted else 0.0)
+        steps = sorted(counted) if not steps else sorted(set(steps) | counted)
+    ordered = sorted(durations.values())
+    if not ordered:
+        return {}
+    n = len(ordered)
+    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return {"step_ms": median * 1e3, "stall_ms_per_step": max(stalls) * 1e3, "first": steps[0], "last": steps[-1],
+            "ranks": ranks}
+
+
+def _figures_text(figures: Optional[Mapping[str, Any]], traced: Dict[str, Any], window: Sequence[int]) -> str:
+    """The box beside a configuration: the table's step and stall (``figures``, which steps
+    they cover) or the same statistics from the trace (which steps), and what the bars show."""
+    if figures:
+        head = (f"median step {figures['step_ms']:.1f} ms\nstall {figures['stall_ms_per_step']:.2f} ms/step\n"
+                f"(the table's: {figures['steps']} timed steps,\n{figures['rounds']} round"
+                f"{'s' if figures['rounds'] != 1 else ''}, slowest rank)")
+    elif traced:
+        head = (f"median step {traced['step_ms']:.1f} ms\nstall {traced['stall_ms_per_step']:.2f} ms/step\n"
+                f"(steps {traced['first']}-{traced['last']} of the trace,\nslowest of {len(traced['ranks'])} "
+                f"rank(s))")
+    else:
+        head = "median step n/a"
+    if not window:
+        return head
+    return head + f"\nbars: steps {min(window)}-{max(window)} of the trace"
 
 
 def _phase(e: TraceEvent) -> str:
@@ -458,9 +539,9 @@ def timeline_figure(
     ranks: Union[int, str, Sequence[int]] = 0,
     skip_batches: Optional[int] = None,
     dpi: int = 120,
+    figures: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> Any:
     """The matplotlib ``Figure`` of :func:`render_timeline_png` (no file written)."""
-    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
@@ -473,13 +554,15 @@ def timeline_figure(
     configs = _coerce_configs(events_by_config)
     all_lanes = [l for l in _global_lanes(configs) if any(e.lane == l for evs in configs.values() for e in evs)]
     all_lanes = all_lanes or list(LANES)
-    cmap = colormaps["tab10"]
+    opt_joined = False
 
     # Lay out rows first so every subplot gets the height it needs.
     plan = []
     for cfg, evs in configs.items():
         shown = _select_ranks(evs, ranks)
-        plan.append((cfg, [e for e in evs if e.rank in shown], shown))
+        drawn, joined = _join_optimizer_steps([e for e in evs if e.rank in shown])
+        opt_joined = opt_joined or joined
+        plan.append((cfg, drawn, shown))
     rows_per = [max(1, len(shown)) * len(all_lanes) for _, _, shown in plan]
     height = 1.8 + sum(0.32 * r + 0.9 for r in rows_per)
     fig = Figure(figsize=(13, height), dpi=dpi)
@@ -533,7 +616,7 @@ def timeline_figure(
                 phases_seen[phase] = None
             verts, colors = bars.setdefault(hatch, ([], []))
             verts.append([(left, y - h), (left + width, y - h), (left + width, y + h), (left, y + h)])
-            colors.append(cmap(e.batch % cmap.N))
+            colors.append(batch_colour(e.batch))
             legend_batches[e.batch] = None
             # compute bars name their phase first (the colour already gives the batch)
             if phase and width >= 0.045 * span_ms:
@@ -556,18 +639,9 @@ def timeline_figure(
                                              gid="stall"))
             ax.plot(stall_marks[0], stall_marks[1], linestyle="none", marker="v", ms=5, color=_STALL_COLOR,
                     gid="stall_marker", clip_on=False)
-        summ = summarize(evs, warmup_batches=warm)
-        step = summ["mean_step_s"]
-        n_ranks = max(1, len(summ["ranks"]))
-        stall_ms = summ["stall_s"] * 1e3 / n_ranks
-        steps = sum(len(_step_starts(_skip_warmup([e for e in evs if e.rank == r], warm))) for r in summ["ranks"])
-        steps_per_rank = steps / n_ranks
-        per_step = stall_ms / steps_per_rank if steps_per_rank else 0.0
-        txt = (f"mean step {step * 1e3:.2f} ms" if step is not None else "mean step n/a") + (
-            f"\nstall {per_step:.2f} ms/step" + (" per rank" if n_ranks > 1 else "")
-            + f"\n({stall_ms:.2f} ms over {steps_per_rank:.0f} steps)"
-            + f"\nfetch hidden {100 * summ['fetch_overlap_fraction']:.0f} %"
-        )
+        traced = {} if figures and cfg in figures else _trace_figures(evs, warm)
+        window_steps = [b for b, s0 in _step_starts(evs) if t0 <= s0 < t1]
+        txt = _figures_text(figures.get(cfg) if figures else None, traced, window_steps)
         ax.text(1.005, 0.98, txt, transform=ax.transAxes, ha="left", va="top", fontsize=8,
                 bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.9, "linewidth": 0.5})
     for ax in axes:
@@ -575,10 +649,14 @@ def timeline_figure(
     axes[-1].set_xlabel("time in window (ms)")
     handles: List[Any] = []
     batches_shown = sorted(legend_batches)
-    if batches_shown and len(batches_shown) <= 16:
-        handles += [Patch(facecolor=cmap(b % cmap.N), edgecolor="black", label=f"batch {b}") for b in batches_shown]
+    if batches_shown and len(batches_shown) <= BATCH_COLOURS:
+        handles += [Patch(facecolor=batch_colour(b), edgecolor="black", label=f"batch {b}") for b in batches_shown]
+    elif batches_shown:  # (a whole long trace: colours repeat every BATCH_COLOURS batches)
+        handles.append(Patch(facecolor="white", edgecolor="white",
+                             label=f"bar colour: batch index mod {BATCH_COLOURS} ({len(batches_shown)} batches)"))
+    labels = dict(_PHASE_LABEL, bwd=_BWD_OPT_LABEL) if opt_joined else _PHASE_LABEL
     handles += [Patch(facecolor="white", edgecolor="black", hatch=_PHASE_HATCH.get(ph, "") or None,
-                      label=_PHASE_LABEL.get(ph, ph)) for ph in phases_seen]
+                      label=labels.get(ph, ph)) for ph in phases_seen]
     if stalls_seen:
         handles.append(Patch(facecolor=_STALL_COLOR, edgecolor="black",
                              label=f"stall: lookup waiting for its rows (drawn >= {MIN_STALL_WIDTH:.1%} of the window wide)"))
@@ -598,24 +676,33 @@ def render_timeline_png(
     ranks: Union[int, str, Sequence[int]] = 0,
     skip_batches: Optional[int] = None,
     dpi: int = 120,
+    figures: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> Path:
     """Draw the pipeline timeline (paper Fig. 1 style) and return the PNG path.
 
     One subplot per configuration (mapping order, top to bottom), a shared x axis in ms
     measured from each configuration's window start, one row per lane (per displayed rank:
-    rank 0 by default, every rank with ``ranks="all"``), bars coloured by ``batch % 10``
-    (tab10) and labelled ``b<batch>`` when wide enough; compute bars are hatched by phase
-    (fwd / bwd / opt) and labelled ``fwd b3`` when wide enough. ``stall`` events (measured
-    blocking waits) are red, drawn at least :data:`MIN_STALL_WIDTH` of the window wide and
-    marked with a triangle, so even a 10 us wait is visible. One legend (batches, compute
-    phases, stall). Each subplot states the mean step time and the stall per step (and its
-    total) of the displayed ranks, computed on the whole trace minus the skipped warm-up.
+    rank 0 by default, every rank with ``ranks="all"``), bars coloured by batch
+    (:func:`batch_colour`: batches fewer than 20 apart differ) and labelled ``b<batch>`` when
+    wide enough; compute bars are hatched by phase (fwd / bwd) and labelled ``fwd b3`` when
+    wide enough; a batch's dense optimizer step is drawn as the end of its backward bar (it
+    is far thinner than a pixel). ``stall`` events (measured blocking waits) are red, drawn
+    at least :data:`MIN_STALL_WIDTH` of the window wide and marked with a triangle, so even a
+    10 us wait is visible. One legend, listing exactly what is drawn (batches, compute
+    phases, stall).
+
+    Each subplot states a median step time and a stall per step, and which steps they cover:
+    ``figures[config]`` (``step_ms``, ``stall_ms_per_step``, ``steps``, ``rounds``: the bench
+    table's figures, passed by the bench so that picture and table agree) or, for a
+    configuration without them, the same statistics computed from its trace (steps after the
+    skipped warm-up; per step the slowest displayed rank).
 
     With ``max_batches`` the picture shows that many steady-state steps after skipping
     ``skip_batches`` warm-up batches (default: max(2, 20 %) of them, never leaving fewer than
     ``max_batches``); events are clipped to the window. Without it, the whole trace is drawn.
     """
-    fig = timeline_figure(events_by_config, max_batches, title, ranks=ranks, skip_batches=skip_batches, dpi=dpi)
+    fig = timeline_figure(events_by_config, max_batches, title, ranks=ranks, skip_batches=skip_batches, dpi=dpi,
+                          figures=figures)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
