@@ -106,7 +106,7 @@ def _workload_lines(report: Dict[str, Any]) -> List[str]:
     if settings["rounds"] < MIN_PAIRED_ROUNDS:
         rounds = "one round" if settings["rounds"] == 1 else f"{settings['rounds']} rounds"
         lines.append(f"{rounds}: a smoke test, not a measurement - no intervals and no verdicts below (they need at "
-                     f"least {MIN_PAIRED_ROUNDS} rounds; run without --quick, whose default is 12, for ratios to quote)")
+                     f"least {MIN_PAIRED_ROUNDS} rounds: run without --quick and --rounds, 12 rounds, for ratios to quote)")
     return lines
 
 
