@@ -97,6 +97,8 @@ def test_where_the_step_time_went_adds_up(tmp_path):
     assert f"{d['step']:+.2f}" in why and f"stall {d['stall']:+.2f}" in why
     assert f"forward beyond the stall {d['forward'] - d['stall']:+.2f}" in why, why
     assert f"backward {d['backward']:+.2f}" in why and f"rest {d['rest']:+.2f}" in why, why
+    assert "host time" not in text  # (on CPU the timers are the phases' time)
+    assert "host time" in format_table({**result, "device": "cuda"})
 
 
 def test_the_runs_files_are_named(tmp_path):

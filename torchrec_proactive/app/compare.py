@@ -174,7 +174,8 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
                       for v in table[a].tolist()] for a, label in enumerate(ARMS)}
     result = assemble(rows, rounds, warmup_steps=warmup, world_size=world, batch_size=cfg.train.batch_size,
                       link=describe_link(cfg), identical_parameters=bool(same.item()),
-                      output_dir=str(Path(cfg.train.output_dir).absolute()), cache_slots=slots)
+                      output_dir=str(Path(cfg.train.output_dir).absolute()), cache_slots=slots,
+                      device=trainers[0].env.device.type)
     if trainers[0].env.is_main:
         path = Path(cfg.train.output_dir) / "compare.json"
         path.write_text(json.dumps(result, indent=2))
@@ -184,7 +185,7 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
 
 def assemble(rows: List[Dict[str, Any]], rounds: Mapping[str, List[Dict[str, float]]], *, warmup_steps: int,
              world_size: int, batch_size: int, link: str, identical_parameters: bool, output_dir: str,
-             cache_slots: Mapping[str, Mapping[str, int]]) -> Dict[str, Any]:
+             cache_slots: Mapping[str, Mapping[str, int]], device: str = "cpu") -> Dict[str, Any]:
     """The comparison from its measurements: ``rows`` (per arm: mode, depth, steps and the
     steady-state counters) and ``rounds`` (per arm, per round: ``steps`` and the seconds of
     ``_ROUND_KEYS``, mean over ranks). Each row's rate, step and stall are the rounds' (the
@@ -218,7 +219,8 @@ def assemble(rows: List[Dict[str, Any]], rounds: Mapping[str, List[Dict[str, flo
     return {"rows": rows, "identical_parameters": identical_parameters, "link": link, "world_size": world_size,
             "batch_size": batch_size, "warmup_steps": warmup_steps, "interleave_steps": INTERLEAVE_STEPS,
             "rounds": {arm: [dict(r) for r in rounds[arm]] for arm in ARMS}, "speedup": speedup, "phases": phases,
-            "cache_slots": {arm: dict(cache_slots.get(arm, {})) for arm in ARMS}, "output_dir": output_dir}
+            "cache_slots": {arm: dict(cache_slots.get(arm, {})) for arm in ARMS}, "output_dir": output_dir,
+            "device": device}
 
 
 # (label, key, how it is measured) of the phase table, in print order
@@ -247,6 +249,9 @@ def _phase_lines(result: Dict[str, Any]) -> List[str]:
     lines.append(f"step change {d['step']:+.2f} ms = stall {d['stall']:+.2f} + forward beyond the stall "
                  f"{d['forward'] - d['stall']:+.2f} + backward {d['backward']:+.2f} + optimizer {d['optimizer']:+.2f} "
                  f"+ rest {d['rest']:+.2f}")
+    if result.get("device", "cpu") != "cpu":
+        lines.append("(on a GPU the pipeline timers measure host time: kernels run asynchronously, so a phase is "
+                     "the host's launches and waits in it, and the step's wait for its loss falls in the rest)")
     return lines
 
 
