@@ -200,9 +200,9 @@ def register_host_storage(tensor: torch.Tensor, owner: HostTierOwner) -> None:
 
 
 def can_be_live(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` can be made a live view: a plain tensor (not a fake tensor, as
-    under the sync detector, nor another subclass)."""
-    return type(tensor) is torch.Tensor or isinstance(tensor, (HostTierView, LiveTableSlice))
+    """Whether ``tensor`` can be made a live view: a plain tensor or parameter (FBGEMM's host
+    weights are one), not a fake tensor (as under the sync detector) nor another subclass."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) or isinstance(tensor, (HostTierView, LiveTableSlice))
 
 
 def live_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -716,14 +716,6 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.flush_cache()
         return super().state_dict(*args, **kwargs)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Any:  # type: ignore[override]
-        """TorchRec's parameters (views of the host tier), written back first: as for
-        ``state_dict()``, they hold the current rows, and an in-place edit of them starts
-        from those (the next lookup reads the edit: see ``ProactiveEmbeddingBag``)."""
-        self.flush_cache()
-        return super().named_parameters(prefix, recurse, remove_duplicate)
-
     def named_tables(self) -> Dict[str, Any]:
         """``{table shard name: TieredTable}`` of this rank's proactive tables."""
         out: Dict[str, Any] = {}
