@@ -623,3 +623,26 @@ def test_progress_is_described_in_steps_and_samples():
     assert text == ("step_00000010 holds 10 step(s) on 2 rank(s) x 16 samples = 320 samples = step 20 on 1 rank(s); "
                     "this run has 25 steps of 16 samples (train.max_steps=25: 400 samples): 5 steps = 80 samples "
                     "remain")
+
+
+def test_a_manifest_that_is_a_link_is_refused_not_followed(made, run_dir: Path, tmp_path):
+    """The manifest is the file the save writes last; a link to one elsewhere (however
+    well sealed) is refused in one line, as DCP's files are."""
+    step6 = run_dir / "checkpoints" / "step_00000006"
+    outside = tmp_path / "manifest_elsewhere.json"
+    shutil.copy(step6 / "MANIFEST.json", outside)
+    (step6 / "MANIFEST.json").unlink()
+    (step6 / "MANIFEST.json").symlink_to(outside)
+    _refused(lambda: _ckpt(run_dir).manifest(step6), "MANIFEST.json", "symbolic link")
+
+
+def test_a_data_file_linked_outside_is_named_once_and_not_called_damaged(made, run_dir: Path, tmp_path):
+    """A DCP file moved out and linked back: the refusal names the file once, the whole
+    checkpoint directory, and says to put the file back - not to delete an intact checkpoint."""
+    step6 = run_dir / "checkpoints" / "step_00000006"
+    data = sorted(step6.glob("*.distcp"))[0]
+    outside = tmp_path / "moved.distcp"
+    shutil.move(str(data), str(outside))
+    data.symlink_to(outside)
+    message = _refused(lambda: _ckpt(run_dir).verify(step6), data.name, str(step6), "links outside")
+    assert message.count(data.name) == 1 and "damaged" not in message and "delete" not in message, message

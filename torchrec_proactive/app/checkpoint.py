@@ -421,6 +421,9 @@ class Checkpointer:
         path = Path(path)
         others = (lambda: self._others(path)) if explain else (lambda: "")
         where = path / MANIFEST
+        if where.is_symlink():
+            raise CheckpointError(f"{where}: is a symbolic link (to {os.readlink(where)}); the save writes the manifest "
+                                  f"itself, so a link is refused, not followed")
         try:
             manifest = json.loads(where.read_text())
         except (OSError, ValueError) as e:
@@ -476,9 +479,10 @@ class Checkpointer:
         bad = _gather(self._damaged(path, manifest, self.rank, self.world_size))
         bad = sorted(b for part in bad for b in part)
         if bad:
+            damaged = any("(damaged)" in why for _, why in bad)
             raise CheckpointError(f"{path / bad[0][0]}: {bad[0][1]}; refusing to load {path.name}"
                                   f"{' (and ' + str(len(bad) - 1) + ' more files)' if len(bad) > 1 else ''}"
-                                  f"{self._others(path)}")
+                                  f"{self._others(path) if damaged else ''}")
         md = read_metadata(path)
         if manifest["format"] >= 3:
             unrecorded = sorted({s.relative_path for s in md.storage_data.values()} - set(manifest["files"]))
@@ -505,8 +509,10 @@ class Checkpointer:
                     out.append((name, f"{size} bytes, {want['bytes']} when it was saved (damaged)"))
                 elif file_digest(file) != want["sha256"]:
                     out.append((name, "its bytes do not match the checksum recorded when it was saved (damaged)"))
-            except CheckpointReadError as e:
-                out.append((name, _first_line(str(e))))
+            except CheckpointReadError:
+                # (intact bytes, elsewhere: not damage, and nothing to delete)
+                out.append((name, f"links outside the checkpoint directory {path}; put the file itself there "
+                                  f"in place of the link"))
             except OSError as e:
                 out.append((name, f"cannot be read ({e.strerror or type(e).__name__})"))
         return out
