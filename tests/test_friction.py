@@ -100,7 +100,7 @@ def test_fit_depth_log_says_whole_table() -> None:
     assert notes == ["small: 20 -> 100 slots (whole table)", "medium: 100 -> 192 slots"]
     assert "grown to hold 3 batches for 2 table(s), 1 of them to the whole table" in describe_growth(notes, 2)
     _, small = cache_slots(tables[:1], cfg, 1, 1, 2)
-    assert "to the whole table (every row on the device, nothing to fetch) for 1 table(s)" in describe_growth(small, 2)
+    assert "every one of the 1 table(s) whole (every row on the device: nothing is fetched" in describe_growth(small, 2)
 
 
 @pytest.mark.multiprocess
@@ -122,7 +122,7 @@ def test_sharding_auto_is_quiet(tmp_path: Path) -> None:
     assert "warning:" not in run.err, run  # (this package's warnings, in config words)
     # the log and the caches agree: the planner may put a table whole on one rank, and the
     # caches are sized from its plan's shards, so "whole table" means nothing is fetched
-    assert "to the whole table (every row on the device, nothing to fetch) for 26 table(s)" in run.err, run
+    assert "every one of the 26 table(s) whole (every row on the device: nothing is fetched" in run.err, run
     assert run.result()["hit_rate"] == 1.0, run
 
 

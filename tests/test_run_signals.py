@@ -41,8 +41,10 @@ def test_a_run_that_fell_back_to_reactive_says_so(tmp_path: Path) -> None:
     assert f"{result['deferred_batches']} prefetch(es) waited for cache room" in warned[0]
     for setting in ("cache.load_factor (now 0.1)", "cache.fit_depth=true (now false)", "prefetch.depth (now 2)"):
         assert setting in warned[0], warned[0]
+    assert "warning: prefetching fell back" in warned[0]  # (found by grepping for "warning")
     done = next(line for line in run.err.splitlines() if "] done: " in line)
     assert f"{at_lookup:.1f} of them at lookup" in done and f"{result['deferred_batches']} deferred batches" in done
+    assert "FELL BACK TO REACTIVE" in done and result["fell_back"] is True, (done, result)
 
     # the sharder's summary: once, at WARNING (in the run's log), every table with its cache
     tiered = [line for line in run.err.splitlines() if "table(s) are proactive" in line]
@@ -83,6 +85,10 @@ def test_train_result_carries_the_signals() -> None:
             r.overflow_rows_per_step, r.cache_slots) == (8.0, 8.0, 3, 0.5, {"t": 7})
     names = [f.name for f in fields(TrainResult)]
     assert list(json.loads(r.to_json())) == names
+    from torchrec_proactive.app.loop import fell_back
+
+    assert fell_back(steady, 2) and not fell_back(steady, 0)  # (depth 0 is reactive by choice)
+    assert not fell_back({**steady, "deferred_batches": 0, "overflow_rows_per_step": 0.0}, 2)  # (drains only)
     # a summary saved before these counters existed (a resumed run's checkpoint) gives nulls
     old = TrainResult.from_summary({"steps": 4, "depth": 2, "steady": {"hit_rate": 0.5}})
     assert old.rows_fetched_per_step is None and old.deferred_batches is None and old.cache_slots == {}

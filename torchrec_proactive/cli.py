@@ -4,7 +4,7 @@ fetching, compare reactive vs. proactive, benchmark.
 examples:
   torchrec-proactive gen-data --out-dir data/mine --num-samples 100000 --max-cardinality 20000
   torchrec-proactive train --nproc 2 experiment=debug_2rank data.root=data/mine
-  torchrec-proactive train --nproc 2 -m prefetch.depth=0,2,4 experiment=ci_tiny
+  torchrec-proactive train --nproc 2 -m prefetch.depth=0,1,2 experiment=ci_tiny
   torchrun --nproc_per_node 8 -m torchrec_proactive.cli train experiment=kaggle_proactive data.root=/data/criteo
   torchrec-proactive compare --nproc 2
   torchrec-proactive bench --quick
@@ -106,7 +106,7 @@ def _config_epilog() -> str:
 
 HYDRA_OPTIONS = """Hydra options (this is a Hydra application; Hydra parses these itself):
   -m, --multirun        a sweep: one job per combination of comma-separated values
-                        (prefetch.depth=0,2,4), each in its own run directory under
+                        (prefetch.depth=0,1,2), each in its own run directory under
                         hydra.sweep.dir, each launching its own --nproc ranks
   --cfg {job,hydra,all} print Hydra's composed config (with --resolve: resolved;
                         -p PACKAGE: one part) and exit; --cfg alone prints the validated

@@ -19,8 +19,9 @@ __all__ = ["quiet_third_party"]
 
 _WARNINGS: Tuple[Tuple[type, str, str], ...] = (
     (FutureWarning, r"`broadcast_buffers` is deprecated", r"torchrec\.distributed\.model_parallel"),
-    # raised in torch's and, on resume, in TorchRec's KeyedOptimizer (torchrec.optim.keyed)
-    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch(rec)?\."),
+    # raised in torch's, in TorchRec's KeyedOptimizer (torchrec.optim.keyed) and, on resume,
+    # attributed to whichever caller's frame loads a ShardedTensor (ours too): any module
+    (Warning, r"Please use DTensor instead and we are deprecating ShardedTensor", r""),
     (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", r""),
     (UserWarning, r"Local function is not supported by pickle", r"torch\.utils\.data\."),
 )

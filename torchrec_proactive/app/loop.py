@@ -113,6 +113,15 @@ class Summary:
 FELL_BACK_SHARE = 0.05
 
 
+def fell_back(steady: Dict[str, Any], depth: int) -> bool:
+    """Whether a steady state meant to prefetch (``depth`` >= 1) fetched more than
+    ``FELL_BACK_SHARE`` of its rows at their lookup because prefetches waited for cache room
+    or rows overflowed: it ran mostly reactive."""
+    fetched, at_lookup = steady.get("rows_fetched_per_step", 0.0), steady.get("rows_fetched_at_lookup_per_step", 0.0)
+    waited = steady.get("deferred_batches", 0) or steady.get("overflow_rows_per_step", 0.0)
+    return bool(depth >= 1 and fetched > 0 and at_lookup > FELL_BACK_SHARE * fetched and waited)
+
+
 # Summary fields a checkpoint carries, so that resuming reports the whole run's results
 # (a run resumed after its last step trains nothing and must still report them).
 _CARRIED = ("train_loss", "steady", "evals", "depth_choice", "depth")
@@ -379,6 +388,7 @@ class Trainer:
             self._steady.reset(pos.step, self.pipeline.stats(), self.clock)
         if pos.step == self.total:
             self.summary.steady = self._steady.read(pos.step, self.pipeline.stats(), self.clock)
+            self.summary.steady["fell_back"] = fell_back(self.summary.steady, self.pipeline.prefetch_depth)
             self._warn_if_fell_back(self.summary.steady)
         if pos.step % self.cfg.train.log_every == 0 or pos.step == self.total:
             self._log_window()
@@ -396,7 +406,7 @@ class Trainer:
         depth = self.pipeline.prefetch_depth
         fetched, at_lookup = steady.get("rows_fetched_per_step", 0.0), steady.get("rows_fetched_at_lookup_per_step", 0.0)
         deferred, overflow = steady.get("deferred_batches", 0), steady.get("overflow_rows_per_step", 0.0)
-        if depth < 1 or fetched <= 0 or at_lookup <= FELL_BACK_SHARE * fetched or not (deferred or overflow):
+        if not fell_back(steady, depth):
             return
         cfg = self.cfg
         if cfg.cache.budget_bytes:
@@ -407,7 +417,7 @@ class Trainer:
                 "" if cfg.cache.fit_depth else " or set cache.fit_depth=true (now false)")
         lower = "prefetch.max_depth" if cfg.prefetch.mode == "auto" else "prefetch.depth"
         self.log.warning(
-            "prefetching fell back to fetching at lookup: %.0f%% of the rows fetched per step (%.1f of %.1f per rank, "
+            "warning: prefetching fell back to fetching at lookup: %.0f%% of the rows fetched per step (%.1f of %.1f per rank, "
             "steps %d-%d) were fetched at their lookup, on the critical path; %d prefetch(es) waited for cache room "
             "(deferred_batches)%s: the caches hold fewer rows than %d batches in flight pin. To prefetch, %s, or lower "
             "%s (now %d)", 100.0 * at_lookup / fetched, at_lookup, fetched, steady.get("from_step", 0) + 1,

@@ -109,7 +109,8 @@ def describe_growth(notes: Sequence[str], depth: int) -> str:
     tables (every row stays on the device: nothing is fetched, the hit rate is 1)."""
     whole = sum(n.endswith(f"({WHOLE_TABLE})") for n in notes)
     if whole == len(notes):
-        what = f"to the whole table (every row on the device, nothing to fetch) for {whole} table(s)"
+        what = (f"- every one of the {whole} table(s) whole (every row on the device: nothing is fetched, the hit "
+                f"rate is 1, and a depth comparison compares nothing; use a smaller depth or a larger table)")
     elif whole:
         what = f"for {len(notes)} table(s), {whole} of them to the whole table"
     else:

@@ -60,6 +60,10 @@ class TrainResult:
     overflow_rows_per_step: Optional[float] = None
     """Steady-state rows per step and rank served from the host tier because a batch did not
     fit in the cache even at its lookup."""
+    fell_back: bool = False
+    """``true`` when a run meant to prefetch (depth >= 1) fetched more than 5% of its
+    steady-state rows at their lookup because prefetches waited for cache room: it ran
+    mostly reactive, whatever ``prefetch_depth`` says (the run's warning names the fix)."""
     cache_slots: Dict[str, int] = field(default_factory=dict)
     """Per proactive table, the rows its cache holds (all ranks: row-wise shards summed)."""
     evals: List[Dict[str, Any]] = field(default_factory=list)
@@ -89,6 +93,7 @@ class TrainResult:
             rows_fetched_at_lookup_per_step=_number(steady.get("rows_fetched_at_lookup_per_step")),
             deferred_batches=None if steady.get("deferred_batches") is None else int(steady["deferred_batches"]),
             overflow_rows_per_step=_number(steady.get("overflow_rows_per_step")),
+            fell_back=bool(steady.get("fell_back", False)),
             cache_slots={str(k): int(v) for k, v in (summary.get("cache_slots") or {}).items()},
             evals=[{k: _clean(v) for k, v in e.items()} for e in summary.get("evals") or []],
             checkpoint=summary.get("last_checkpoint"),

@@ -131,9 +131,11 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if proactive:
             sizes = _cache_rows(params, options or ProactiveOptions())
             shown = ", ".join(f"{name} {slots}/{rows}" for name, (slots, rows) in sizes.items())
+            rest = len(params) - proactive
             _LOG.warning("torchrec-proactive: %d of %d table(s) are proactive (planned %s: a host tier, and a device "
-                         "cache its rows are fetched into ahead of their lookup); cache rows / table rows: %s; the "
-                         "others stay stock TorchRec", proactive, len(params), _CACHED, shown)
+                         "cache its rows are fetched into ahead of their lookup); cache rows / table rows: %s%s",
+                         proactive, len(params), _CACHED, shown,
+                         f"; the other {rest} stay stock TorchRec" if rest else "")
             return proactive
         if params:
             shown = ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
