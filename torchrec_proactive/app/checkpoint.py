@@ -479,7 +479,8 @@ class Checkpointer:
         bad = _gather(self._damaged(path, manifest, self.rank, self.world_size))
         bad = sorted(b for part in bad for b in part)
         if bad:
-            damaged = any("(damaged)" in why for _, why in bad)
+            # (a file linked elsewhere is intact: put it back, nothing to delete or fall back from)
+            damaged = not all(why.startswith("links outside") for _, why in bad)
             raise CheckpointError(f"{path / bad[0][0]}: {bad[0][1]}; refusing to load {path.name}"
                                   f"{' (and ' + str(len(bad) - 1) + ' more files)' if len(bad) > 1 else ''}"
                                   f"{self._others(path) if damaged else ''}")
