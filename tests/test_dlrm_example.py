@@ -152,7 +152,7 @@ def test_compare_reactive_vs_proactive(results: List[Dict[str, Any]]) -> None:
     assert reactive["rows_fetched_at_lookup_per_step"] == reactive["rows_fetched_per_step"]
     assert 0 < proactive["rows_fetched_at_lookup_per_step"] < proactive["rows_fetched_per_step"] / 5
     table = format_table(result)
-    assert "emulated (0.2 GB/s, 500 us per fetch)" in table and "speedup" in table
+    assert "emulated (0.2 GB/s, 500 us per fetch)" in table and "speed-up" in table
 
 
 def test_config_mismatch_across_ranks_fails_clearly(results: List[Dict[str, Any]]) -> None:
