@@ -1,4 +1,9 @@
-"""TorchRec integration on 2 gloo ranks: exactness vs stock TorchRec, ordering, drain, interop."""
+"""TorchRec integration on 2 gloo ranks: exactness vs stock TorchRec, ordering, drain, interop.
+
+The cases of one parametrized test run in one launch (a module fixture): starting 2 ranks -
+spawning, importing torch and TorchRec, the process group - takes ~10 s on 2 cores, more
+than most of these checks. A case that raises fails its own test only.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import pytest
 from torchrec_proactive.launch import run_ranks
 
 from . import exactness_worker, pipeline_worker
+from .cases_worker import launch_cases as _launch_cases
+from .cases_worker import ok as _ok
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,12 +47,16 @@ def _check_matrix(results, n_runs):
     return results
 
 
+@pytest.fixture(scope="module")
+def any_cache_runs():
+    return _launch_cases(exactness_worker.matrix, list(SHARDINGS), [
+        dict(sharding=SHARDINGS[name], optimizers=["rowwise_adagrad"], depths=DEPTHS, caches=LOAD_FACTORS)
+        for name in SHARDINGS])
+
+
 @pytest.mark.parametrize("name", list(SHARDINGS))
-def test_any_cache_size_and_depth_is_exact_vs_stock(name):
-    results = _check_matrix(run_ranks(
-        exactness_worker.matrix, world_size=2, timeout_s=600, sharding=SHARDINGS[name],
-        optimizers=["rowwise_adagrad"], depths=DEPTHS, caches=LOAD_FACTORS,
-    ), n_runs=len(DEPTHS) * len(LOAD_FACTORS))
+def test_any_cache_size_and_depth_is_exact_vs_stock(any_cache_runs, name):
+    results = _check_matrix(_ok(any_cache_runs[name]), n_runs=len(DEPTHS) * len(LOAD_FACTORS))
     def total(run: str, key: str) -> int:
         return sum(res["runs"][f"rowwise_adagrad/{run}"][key] for res in results)
 
@@ -65,33 +76,47 @@ def test_any_cache_size_and_depth_is_exact_vs_stock(name):
     assert warnings_of("1.0/k8") == [] and warnings_of("1.0/k0") == []
 
 
-@pytest.mark.parametrize("name,one_id_per_bag,weighted", [("mixed_with_dp", False, True), ("row_wise", True, False)])
-def test_the_device_planner_is_exact_vs_stock_through_torchrec(name, one_id_per_bag, weighted):
+DEVICE_PLANNER = [("mixed_with_dp", False, True), ("row_wise", True, False)]
+DEVICE_DEPTHS, DEVICE_CACHES = [0, 2, 8], [0.005, 0.1, 1.0]
+
+
+@pytest.fixture(scope="module")
+def device_planner_runs():
+    return _launch_cases(exactness_worker.matrix, DEVICE_PLANNER, [
+        dict(sharding=SHARDINGS[name], optimizers=["rowwise_adagrad"], depths=DEVICE_DEPTHS, caches=DEVICE_CACHES,
+             planner="device", one_id_per_bag=one_id_per_bag, weighted=weighted)
+        for name, one_id_per_bag, weighted in DEVICE_PLANNER])
+
+
+@pytest.mark.parametrize("name,one_id_per_bag,weighted", DEVICE_PLANNER)
+def test_the_device_planner_is_exact_vs_stock_through_torchrec(device_planner_runs, name, one_id_per_bag, weighted):
     """The planner CUDA uses (fixed-shape, on the device: TieredTable(planner="device")), run on CPU through
     TorchRec's sharding on 2 ranks: bit-identical across depths and caches, stock's numbers."""
-    depths, caches = [0, 2, 8], [0.005, 0.1, 1.0]
-    results = _check_matrix(run_ranks(
-        exactness_worker.matrix, world_size=2, timeout_s=600, sharding=SHARDINGS[name], optimizers=["rowwise_adagrad"],
-        depths=depths, caches=caches, planner="device", one_id_per_bag=one_id_per_bag, weighted=weighted,
-    ), n_runs=len(depths) * len(caches))
+    results = _check_matrix(_ok(device_planner_runs[(name, one_id_per_bag, weighted)]),
+                            n_runs=len(DEVICE_DEPTHS) * len(DEVICE_CACHES))
     runs = [res["runs"] for res in results]
     assert sum(r["rowwise_adagrad/0.005/k0"]["overflow_rows"] for r in runs) > 0
     assert sum(r["rowwise_adagrad/0.005/k8"]["deferred_batches"] for r in runs) > 0
 
 
-@pytest.mark.parametrize("name,weighted,pooling", [
-    ("table_wise", True, "sum"), ("column_wise", False, "mean"), ("row_wise", True, "sum"),
-    ("table_row_wise", False, "mean"),
-])
-def test_one_id_per_feature_is_exact_vs_stock(name, weighted, pooling):
+ONE_ID = [("table_wise", True, "sum"), ("column_wise", False, "mean"), ("row_wise", True, "sum"),
+          ("table_row_wise", False, "mean")]
+
+
+@pytest.fixture(scope="module")
+def one_id_runs():
+    return _launch_cases(exactness_worker.matrix, ONE_ID, [
+        dict(sharding=SHARDINGS[name], optimizers=["rowwise_adagrad"], depths=[0, 2, 8], caches=[0.005, 1.0],
+             one_id_per_bag=True, weighted=weighted, pooling=pooling)
+        for name, weighted, pooling in ONE_ID])
+
+
+@pytest.mark.parametrize("name,weighted,pooling", ONE_ID)
+def test_one_id_per_feature_is_exact_vs_stock(one_id_runs, name, weighted, pooling):
     # Criteo's shape: every bag holds one id, so lookups are gathers and the pooled rows are
     # laid out sample-major directly (row-wise shardings also see empty bags after the
     # bucketisation, and take the general path).
-    _check_matrix(run_ranks(
-        exactness_worker.matrix, world_size=2, timeout_s=600, sharding=SHARDINGS[name],
-        optimizers=["rowwise_adagrad"], depths=[0, 2, 8], caches=[0.005, 1.0],
-        one_id_per_bag=True, weighted=weighted, pooling=pooling,
-    ), n_runs=3 * 2)
+    _check_matrix(_ok(one_id_runs[(name, weighted, pooling)]), n_runs=3 * 2)
 
 
 def test_every_optimizer_is_exact_across_depths_and_caches():
@@ -116,9 +141,14 @@ def test_full_matrix_every_optimizer_sharding_cache_and_depth(name):
         assert adam_runs and all("max_param_diff_vs_stock" not in res["runs"][k] for k in adam_runs)
 
 
+@pytest.fixture(scope="module")
+def orderings():
+    return _launch_cases(pipeline_worker.ordering, [1, 3], [dict(depth=1, steps=8), dict(depth=3, steps=8)])
+
+
 @pytest.mark.parametrize("depth", [1, 3])
-def test_fetch_of_batch_n_plus_k_is_planned_during_forward_n(depth):
-    results = run_ranks(pipeline_worker.ordering, world_size=2, depth=depth, steps=8)
+def test_fetch_of_batch_n_plus_k_is_planned_during_forward_n(orderings, depth):
+    results = _ok(orderings[depth])
     for res in results:
         records = {r["index"]: r for r in res["records"]}
         fwd = res["fwd"]
@@ -140,9 +170,17 @@ def test_fetch_of_batch_n_plus_k_is_planned_during_forward_n(depth):
         assert res["stats"]["rows_fetched"] > records[0]["fetched"]
 
 
-@pytest.mark.parametrize("num_batches,depth", [(0, 2), (1, 2), (2, 4), (3, 2)])
-def test_drain_with_fewer_batches_than_pipeline_depth(num_batches, depth):
-    for res in run_ranks(pipeline_worker.drain, world_size=2, num_batches=num_batches, depth=depth):
+DRAINS = [(0, 2), (1, 2), (2, 4), (3, 2)]
+
+
+@pytest.fixture(scope="module")
+def drains():
+    return _launch_cases(pipeline_worker.drain, DRAINS, [dict(num_batches=n, depth=d) for n, d in DRAINS])
+
+
+@pytest.mark.parametrize("num_batches,depth", DRAINS)
+def test_drain_with_fewer_batches_than_pipeline_depth(drains, num_batches, depth):
+    for res in _ok(drains[(num_batches, depth)]):
         assert res == {"n": num_batches, "n2": num_batches}
 
 
@@ -151,16 +189,28 @@ def test_eval_and_early_stop_leak_no_pins():
         assert res["eval_n"] == 6 and res["unchanged"]
 
 
+@pytest.fixture(scope="module")
+def interops():
+    shardings = ["row_wise", "column_wise"]
+    return _launch_cases(pipeline_worker.state_dict_interop, shardings, [dict(sharding=s) for s in shardings])
+
+
 @pytest.mark.parametrize("sharding", ["row_wise", "column_wise"])
-def test_state_dict_round_trip_with_stock_torchrec(sharding):
-    for res in run_ranks(pipeline_worker.state_dict_interop, world_size=2, sharding=sharding):
+def test_state_dict_round_trip_with_stock_torchrec(interops, sharding):
+    for res in _ok(interops[sharding]):
         assert res["to_stock"] and res["shapes_match"]
         assert res["from_stock_pred_diff"] < 1e-6
 
 
+@pytest.fixture(scope="module")
+def resumes():
+    optimizers = ["rowwise_adagrad", "adam"]
+    return _launch_cases(pipeline_worker.checkpoint_resume, optimizers, [dict(optimizer=o) for o in optimizers])
+
+
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
-def test_model_and_optimizer_state_dicts_resume_bit_identically(optimizer):
-    for res in run_ranks(pipeline_worker.checkpoint_resume, world_size=2, optimizer=optimizer):
+def test_model_and_optimizer_state_dicts_resume_bit_identically(resumes, optimizer):
+    for res in _ok(resumes[optimizer]):
         assert res["outputs_equal"] and res["params_equal"], res
 
 
@@ -170,9 +220,15 @@ def test_torchrec_planner_auto_plan_on_cpu():
         assert res["max_param_diff"] < 1e-5 and res["max_out_diff"] < 1e-5
 
 
+@pytest.fixture(scope="module")
+def weighted_runs():
+    shardings = ["table_wise", "row_wise"]
+    return _launch_cases(exactness_worker.weighted_features, shardings, [dict(sharding=s) for s in shardings])
+
+
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
-def test_weighted_features_match_stock(sharding):
-    for res in run_ranks(exactness_worker.weighted_features, world_size=2, sharding=sharding):
+def test_weighted_features_match_stock(weighted_runs, sharding):
+    for res in _ok(weighted_runs[sharding]):
         assert res["n"] == 5 and res["max_param_diff"] < 1e-5 and res["max_out_diff"] < 1e-5, res
 
 
@@ -184,16 +240,22 @@ def test_a_deferred_prefetch_is_prepared_once_and_retried_on_the_store_only():
         assert res["calls"]["plan"] > once, res  # ... and they were planned again
 
 
-@pytest.mark.parametrize("load_factor,validation,planner", [
-    (0.01, "proactive", "host"), (0.1, "proactive", "host"), (0.01, "stock_eval", "host"),
-    (0.1, "stock_eval", "host"), (0.01, "plain_forward", "host"), (0.1, "plain_forward", "host"),
-    (0.01, "proactive", "device"),
-])
-def test_pipelines_take_turns_on_one_model_as_in_stock(load_factor, validation, planner):
+TURNS = [(0.01, "proactive", "host"), (0.1, "proactive", "host"), (0.01, "stock_eval", "host"),
+         (0.1, "stock_eval", "host"), (0.01, "plain_forward", "host"), (0.1, "plain_forward", "host"),
+         (0.01, "proactive", "device")]
+
+
+@pytest.fixture(scope="module")
+def turns():
+    return _launch_cases(pipeline_worker.interleaved_validation, TURNS,
+                         [dict(load_factor=lf, validation=v, planner=p) for lf, v, p in TURNS])
+
+
+@pytest.mark.parametrize("load_factor,validation,planner", TURNS)
+def test_pipelines_take_turns_on_one_model_as_in_stock(turns, load_factor, validation, planner):
     """Mid-epoch validation by a second pipeline (or plain forwards) while the training
     pipeline holds batches in flight: each pipeline owns its batches; results equal stock's."""
-    for res in run_ranks(pipeline_worker.interleaved_validation, world_size=2, load_factor=load_factor,
-                         validation=validation, planner=planner):
+    for res in _ok(turns[(load_factor, validation, planner)]):
         assert res["n"] == res["n_ref"] == [10, 4], res
         assert res["train_diff"] < 1e-5 and res["val_diff"] < 1e-5 and res["param_diff"] < 1e-5, res
         if load_factor == 0.01:  # smaller than one batch: evictions, waits and overflow happened

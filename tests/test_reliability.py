@@ -12,6 +12,7 @@ from torchrec_proactive.launch import RankFailure, run_ranks
 from torchrec_proactive.store import IdOutOfRangeError, InvalidInputError
 
 from . import reliability_worker as rw
+from .cases_worker import launch_cases, ok
 
 CONFIGS = [
     EmbeddingBagConfig(name="users", embedding_dim=8, num_embeddings=100, feature_names=["user", "friend"]),
@@ -83,10 +84,19 @@ def test_plan_naming_unknown_tables_is_refused():
 
 # ---------------------------------------------------------------------- 2 ranks
 
+BAD_IDS = [("table_wise", 300), ("row_wise", -1), ("row_wise", 10**6)]
+
+
+@pytest.fixture(scope="module")
+def bad_id_runs():
+    """The three cases in one launch (starting 2 ranks costs more than a case)."""
+    return launch_cases(rw.bad_ids, BAD_IDS, [dict(sharding=sharding, value=value) for sharding, value in BAD_IDS])
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sharding,value", [("table_wise", 300), ("row_wise", -1), ("row_wise", 10**6)])
-def test_bad_id_is_refused_before_it_is_sent_and_training_continues(sharding, value):
-    for res in run_ranks(rw.bad_ids, world_size=2, sharding=sharding, value=value):
+@pytest.mark.parametrize("sharding,value", BAD_IDS)
+def test_bad_id_is_refused_before_it_is_sent_and_training_continues(bad_id_runs, sharding, value):
+    for res in ok(bad_id_runs[(sharding, value)]):
         assert res["error"] is not None and "IdOutOfRangeError" in res["error"]
         assert f"id {value} is out of range [0, 300)" in res["error"] and "table 't1'" in res["error"]
         # which batch: the pipeline reads batches ahead of the one it trains (a user trial)
