@@ -291,6 +291,24 @@ class DiskHostTier:
             finally:
                 self.release(ticket)
 
+    def read_rows(self, rows: torch.Tensor) -> List[torch.Tensor]:
+        """The whole records of ``rows`` (any rows, in order), per component, read through
+        the cache in chunks that fit it: fresh tensors, never the whole table at once
+        unless asked for it."""
+        rows = rows.to(torch.int64)
+        out = [torch.empty(rows.shape[0], c.width, dtype=c.dtype) for c in self.components]
+        chunk = max(1, (self.num_slots - int(self.pins.astype(bool).sum())) // 2)
+        for start in range(0, rows.shape[0], chunk):
+            part = rows[start: start + chunk]
+            ticket = self.prefetch(part.numpy())
+            try:
+                self.wait(ticket)
+                for o, v in zip(out, self.gather(part)):
+                    o[start: start + part.shape[0]] = v
+            finally:
+                self.release(ticket)
+        return out
+
     # ------------------------------------------------------------------ whole tier
     def flush(self) -> None:
         """Writes every dirty row to the file, behind every queued ticket (they are clean

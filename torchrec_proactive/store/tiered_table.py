@@ -794,6 +794,54 @@ class TieredTable:
                     taken[part] |= changed
         return int(taken.sum()), behind
 
+    @torch.no_grad()
+    def read_host_rows(self, start: int, count: int) -> List[torch.Tensor]:
+        """Rows ``[start, start + count)`` of the host tier (weight, then each optimizer
+        state, as ``gather_host`` orders them): fresh tensors, read through the host cache on
+        disk. Current after a flush of the device cache (the caller's job: the kernel's
+        ``before_host_access``); no plan need be in flight."""
+        self._check_range(start, count)
+        rows = torch.arange(start, start + count, dtype=torch.int64)
+        if self.disk is not None:
+            weight, *state = self.disk.read_rows(rows)
+            return [weight] + [p.reshape(p.shape[0], *v.shape[1:]) for p, v in zip(state, self.host_state.values())]
+        return [t.narrow(0, start, count).clone() for t in (self.host_weight, *self.host_state.values())]
+
+    @torch.no_grad()
+    def write_host_rows(self, start: int, parts: Sequence[Optional[torch.Tensor]]) -> None:
+        """Writes rows ``[start, start + n)`` of the host tier: per tensor (weight, then each
+        optimizer state), its new rows, or None to keep that tensor's rows. Cached copies of
+        those rows take the new values too, so the next lookup sees them. Needs a clean cache
+        (flush first) and no plan in flight."""
+        count = next(int(p.shape[0]) for p in parts if p is not None)
+        self._check_range(start, count)
+        if self.in_flight or self.has_dirty():
+            raise StoreStateError(f"table '{self.name}': rows are written to the host tier only with no batch in "
+                                  f"flight and a clean cache; drain the pipeline and flush first")
+        rows = torch.arange(start, start + count, dtype=torch.int64)
+        hosts = [self.host_weight, *self.host_state.values()]
+        if self.disk is not None:
+            old = self.read_host_rows(start, count) if any(p is None for p in parts) else [None] * len(parts)
+            full = [(p if p is not None else o).reshape(count, -1) for p, o in zip(parts, old)]
+            self.disk.write_rows(rows, full)
+        else:
+            for host, part in zip(hosts, parts):
+                if part is not None:
+                    host.narrow(0, start, count).copy_(part.reshape(host.narrow(0, start, count).shape))
+        slots, resident, _ = self.planner.resident()
+        hit = (resident >= start) & (resident < start + count)
+        if bool(hit.any()):
+            s_dev = slots[hit].to(self.device)
+            for cache, part in zip([self.cache_weight, *self.cache_state.values()], parts):
+                if part is not None:
+                    vals = part.reshape(count, *cache.shape[1:]).index_select(0, resident[hit] - start)
+                    cache.index_copy_(0, s_dev, vals.to(self.device, cache.dtype))
+
+    def _check_range(self, start: int, count: int) -> None:
+        if start < 0 or count < 0 or start + count > self.num_rows:
+            raise InvalidInputError(f"table '{self.name}': rows [{start}, {start + count}) are not in its rows "
+                                    f"[0, {self.num_rows})")
+
     def invalidate(self) -> None:
         """Drops every cached row without writing back (after the host tier was overwritten).
 
