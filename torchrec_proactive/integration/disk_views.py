@@ -122,6 +122,10 @@ class DiskViewIO:
 
 _IO: "weakref.WeakKeyDictionary[Any, DiskViewIO]" = weakref.WeakKeyDictionary()
 _STATE = threading.local()
+# One value access (the owner's flush, then the store's reads and writes) at a time: DCP's
+# writer may resolve items from several threads (FileSystemWriter(thread_count=N)), and
+# neither the kernel's flush nor the store's host tier takes concurrent callers.
+_LOCK = threading.RLock()
 
 
 def disk_view_io(store: Any) -> DiskViewIO:
@@ -399,8 +403,9 @@ def _materialize(view: "DiskRowsView") -> torch.Tensor:
 
 def _values(view: "DiskRowsView") -> torch.Tensor:
     """The view's values as a plain tensor, after its owner made the host tier current."""
-    _Hooks([view]).before()
-    return _materialize(view)
+    with _LOCK:
+        _Hooks([view]).before()
+        return _materialize(view)
 
 
 def _write(view: "DiskRowsView", values: torch.Tensor) -> None:
@@ -440,6 +445,11 @@ def _written_args(func: Any, args: Any, kwargs: Dict[str, Any]) -> List[Tuple[st
 
 
 def _compute(func: Any, args: Any, kwargs: Dict[str, Any]) -> Any:
+    with _LOCK:
+        return _compute_locked(func, args, kwargs)
+
+
+def _compute_locked(func: Any, args: Any, kwargs: Dict[str, Any]) -> Any:
     views = [a for a in _flat((args, kwargs)) if isinstance(a, DiskRowsView)]
     _Hooks(views).before()
     cache: Dict[int, torch.Tensor] = {}
@@ -455,6 +465,12 @@ def _compute(func: Any, args: Any, kwargs: Dict[str, Any]) -> Any:
 
 
 def _mutate(func: Any, name: str, args: Any, kwargs: Dict[str, Any], written: List[Tuple[str, Any, bool]]) -> Any:
+    with _LOCK:
+        return _mutate_locked(func, name, args, kwargs, written)
+
+
+def _mutate_locked(func: Any, name: str, args: Any, kwargs: Dict[str, Any],
+                   written: List[Tuple[str, Any, bool]]) -> Any:
     views = [a for a in _flat((args, kwargs)) if isinstance(a, DiskRowsView)]
     hooks = _Hooks(views)
     hooks.before()
@@ -466,8 +482,6 @@ def _mutate(func: Any, name: str, args: Any, kwargs: Dict[str, Any], written: Li
         if not isinstance(v, DiskRowsView):
             return v
         t = _materialize(v) if read else torch.empty(v.shape, dtype=v.dtype)
-        if t is not None and not t.is_contiguous():
-            t = t.contiguous()
         stand_ins[id(t)] = (v, t)
         targets.append((v, t))
         return t
