@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torchrec.distributed.embedding_kernel import get_state_dict
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 
+from torchrec_proactive.checkpoint import SafeFileSystemReader
 from torchrec_proactive.fetch import FetchEngine
 from torchrec_proactive.fetch.lookahead import run_lookahead
 from torchrec_proactive.integration.disk_views import (DiskRowsView, StreamingSavePlanner, disk_view,
@@ -192,7 +193,7 @@ def test_dcp_save_and_load_stream_in_chunks_and_reshard(tmp_path, pg):
             _train(o.table, o, seed=3)
         sd2 = _torchrec_state_dict([(owners[0], first, 0, 0, 200), (owners[1], second, 0, 200, 400)], pg)
         _reset(first, second)
-        dcp.load(sd2, storage_reader=dcp.FileSystemReader(str(ckpt)), process_group=pg)
+        dcp.load(sd2, storage_reader=SafeFileSystemReader(str(ckpt)), process_group=pg)  # (the app's reader)
         for store, lo, n in ((first, 0, 200), (second, 200, 400)):
             got_w, got_s = store.read_host_rows(0, n)
             assert torch.equal(got_w, want_w[lo:lo + n]) and torch.equal(got_s, want_s[lo:lo + n])  # bit-exact
