@@ -221,7 +221,8 @@ def test_the_default_planner_reads_a_whole_shard_and_its_checkpoint_still_loads(
                  process_group=pg)
         assert disk_view_io(table).max_rows_per_read == CHUNK
         assert disk_view_io(table).max_rows_materialized == 350  # the larger local shard, whole
-        sd2 = _torchrec_state_dict([(EngineOwner(target), target, 0, 0, ROWS)], pg)
+        target_owner = EngineOwner(target)  # (views hold their owner weakly: the kernel keeps it)
+        sd2 = _torchrec_state_dict([(target_owner, target, 0, 0, ROWS)], pg)
         _reset(target)
         dcp.load(sd2, storage_reader=dcp.FileSystemReader(str(tmp_path / "ckpt")), process_group=pg)
         got_w, got_s = target.read_host_rows(0, ROWS)

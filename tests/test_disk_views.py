@@ -6,6 +6,7 @@ cache takes them. The owner is a real one: a fetch engine's flush of the table."
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 
@@ -250,5 +251,11 @@ def test_what_a_disk_view_refuses(tmp_path):
             disk_view(owner, table, 0, 590, 20)
         with pytest.raises(ValueError, match="component 2 is not one of its 2"):
             disk_view(owner, table, 2, 0, 20)
+        # A view outliving its owner (the kernel, whose finalizer removes the file) says so.
+        orphan = disk_view(EngineOwner(owner.engine, table), table, 0, 0, 20)
+        gc.collect()
+        assert orphan.shape == (20, DIM)  # (metadata still answers)
+        with pytest.raises(RuntimeError, match="table 't' weight: the module serving this table is gone"):
+            orphan.clone()
     finally:
         table.close()

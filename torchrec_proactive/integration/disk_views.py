@@ -146,7 +146,15 @@ class _Source:
         if not 0 <= component < len(hosts):
             raise ValueError(f"table '{store.name}': component {component} is not one of its {len(hosts)} "
                              f"(0: weight, then the optimizer state {list(store.host_state)})")
-        self.owner = owner
+        # The owner is held weakly, as host_views.py holds it: the kernel keeps its views
+        # (``split_embedding_weights``), so a strong reference would be a cycle delaying its
+        # finalizer (which removes the table's file) to the next garbage collection.
+        self._owner: Optional[Any] = None
+        if owner is not None:
+            try:
+                self._owner = weakref.ref(owner)
+            except TypeError:  # (an owner without weak references: held strongly)
+                self._owner = lambda: owner
         self.store = store
         self.component = component
         self.num_components = len(hosts)
@@ -159,6 +167,18 @@ class _Source:
         record = max(1, int(getattr(store, "row_bytes", 0)) or self.width * hosts[component].element_size())
         self.chunk_rows = max(1, int(chunk_rows) if chunk_rows else DEFAULT_CHUNK_BYTES // record)
         self.io = disk_view_io(store)
+
+    @property
+    def owner(self) -> Optional[DiskViewOwner]:
+        """The owner, or None when the view was made without one. Raises once the owner
+        is gone: its device cache (and the table's file) went with it."""
+        if self._owner is None:
+            return None
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError(f"{self.describe()}: the module serving this table is gone (a view outlived it); "
+                               f"take the tensor again from a live module's state_dict()")
+        return owner
 
     # ------------------------------------------------------------------ row I/O
     def read_rows(self, r0: int, r1: int) -> torch.Tensor:
@@ -367,8 +387,9 @@ class _Hooks:
     def __init__(self, views: Sequence["DiskRowsView"]) -> None:
         self.owners: Dict[int, Any] = {}
         for v in views:
-            if v._source.owner is not None:
-                self.owners.setdefault(id(v._source.owner), v._source.owner)
+            owner = v._source.owner
+            if owner is not None:
+                self.owners.setdefault(id(owner), owner)
 
     def before(self) -> None:
         if getattr(_STATE, "busy", False):
@@ -384,8 +405,9 @@ class _Hooks:
     def after_write(views: Sequence["DiskRowsView"]) -> None:
         seen: Dict[int, Any] = {}
         for v in views:
-            if v._source.owner is not None:
-                seen.setdefault(id(v._source.owner), v._source.owner)
+            owner = v._source.owner
+            if owner is not None:
+                seen.setdefault(id(owner), owner)
         for owner in seen.values():
             owner.after_host_write()
 
@@ -523,8 +545,9 @@ def disk_view(owner: Optional[DiskViewOwner], store: Any, component: int, start:
 
     Args:
         owner: the kernel serving ``store`` (``before_host_access`` flushes its device
-            cache; ``after_host_write`` is told of writes); None only for a store no batch
-            is using (its host tier is then read as it is).
+            cache; ``after_host_write`` is told of writes), held weakly: a value access
+            after it is gone raises. None only for a store no batch is using (its host
+            tier is then read as it is).
         store: a ``TieredTable`` (on disk, or in DRAM: the same ``read_host_rows`` /
             ``write_host_rows``).
         component: 0 for the weight ``[num_rows, dim]``; ``k >= 1`` for the k-th optimizer
