@@ -20,7 +20,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -29,13 +29,15 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
-from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import CacheParams, KeyValueParams, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
-KERNELS = ("fused", "fused_uvm_caching", "dense")
+KERNELS = ("fused", "fused_uvm_caching", "dense", "key_value")
+#: The kernels our sharder serves proactively (``key_value``: with a disk tier, on CPU).
+PROACTIVE_KERNELS = ("fused_uvm_caching", "key_value")
 
 
 def _generator(sharding: str, table_index: int, world_size: int, local_size: int) -> Callable[..., Any]:
@@ -91,6 +93,8 @@ def build_plan(
     cache_load_factor: Optional[Union[float, Mapping[str, float]]] = None,
     pg: Optional[dist.ProcessGroup] = None,
     sharding_types: Optional[Sequence[str]] = None,
+    key_value_params: Optional[KeyValueParams] = None,
+    ssd_cap_bytes: int = 0,
 ) -> ShardingPlan:
     """A plan for every ``EmbeddingBagCollection`` in ``model``.
 
@@ -98,7 +102,9 @@ def build_plan(
     planner for ``"auto"`` (constrained to ``kernel``, the cache load factor and, when given,
     ``sharding_types``: e.g. the cache planner's, whose whole-table floors hold only in shards
     that hold every row). ``cache_load_factor``: one for every table, or per table (e.g. the
-    cache planner's).
+    cache planner's). ``key_value``: tables larger than host memory, on disk as
+    ``key_value_params`` says (TorchRec's SSD vocabulary); the planner needs a topology with
+    SSD (``ssd_cap_bytes`` per rank) to place them.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown compute kernel {kernel!r}; choose from {KERNELS}")
@@ -107,6 +113,10 @@ def build_plan(
     ebcs = find_ebcs(model)
     if not ebcs:
         raise ValueError("the model has no EmbeddingBagCollection to shard")
+    if kernel == "key_value" and key_value_params is None:
+        raise ValueError("kernel='key_value' needs key_value_params=KeyValueParams(ssd_storage_directory=...)")
+    kv = key_value_params if kernel == "key_value" else None
+
     def cache_for(table: str) -> Optional[CacheParams]:
         lf = cache_load_factor.get(table) if isinstance(cache_load_factor, Mapping) else cache_load_factor
         return CacheParams(load_factor=lf) if lf is not None else None
@@ -122,11 +132,12 @@ def build_plan(
                  and (sharding_types is None or t in sharding_types)]
         constraints = {
             cfg.name: ParameterConstraints(sharding_types=types, compute_kernels=[plan_kernel],
-                                           cache_params=cache_for(cfg.name))
+                                           cache_params=cache_for(cfg.name), key_value_params=kv)
             for ebc in ebcs.values() for cfg in ebc.embedding_bag_configs()
         }
         topology = TopologyFactory.create_topology(
             TrainerConfig(world_size=world_size, local_world_size=local_size),
+            hardware_config=HardwareConfig(ssd_cap_bytes=ssd_cap_bytes) if ssd_cap_bytes else None,
             kernel_config=KernelConfig(compute_device=device_type),
         )
         # TorchRec's recommended reservation (its default heuristic one warns that it is
@@ -163,8 +174,10 @@ def build_plan(
         for name, ps in module_plan.items():
             if per_table[name] != "data_parallel":
                 ps.compute_kernel = kernel
-                if cache_for(name) is not None and kernel == "fused_uvm_caching":
+                if cache_for(name) is not None and kernel in PROACTIVE_KERNELS:
                     ps.cache_params = cache_for(name)
+                if kv is not None:
+                    ps.key_value_params = kv
         plan[fqn] = module_plan
     return ShardingPlan(plan)
 

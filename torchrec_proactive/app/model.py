@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
+from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embedding_sharding import USE_ONE_TBE_PER_TABLE
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import KeyValueParams, ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer
 
@@ -20,7 +22,7 @@ from .. import ProactiveEmbeddingBagCollectionSharder
 from ..cacheplan.planner import WHOLE_ROW_SHARDINGS
 from ..config.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, Config, ModelConfig, OptimizerConfig
 from ..fetch import LinkModel
-from ..planning import build_plan, combined_optimizer, shard_model
+from ..planning import PROACTIVE_KERNELS, build_plan, combined_optimizer, shard_model
 from .env import RankEnv
 
 FEATURES = [f"cat_{i}" for i in range(NUM_SPARSE_FEATURES)]  # keys of the Criteo loader's KJT
@@ -119,7 +121,8 @@ def describe_growth(notes: Sequence[str], depth: int) -> str:
     return f"cache.fit_depth: caches grown to hold {depth + 1} batches {what}: {shown}"
 
 
-def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCollectionSharder:
+def build_sharder(cfg: Config, slots: Dict[str, int], tables: Sequence[EmbeddingBagConfig] = ()
+                  ) -> ProactiveEmbeddingBagCollectionSharder:
     link = None
     if cfg.link.kind == "emulated":
         link = LinkModel(bandwidth_gbps=cfg.link.bandwidth_gbps, latency_us=cfg.link.latency_us)
@@ -130,9 +133,10 @@ def build_sharder(cfg: Config, slots: Dict[str, int]) -> ProactiveEmbeddingBagCo
         # does not partition its cache yet, so there each table gets a store of its own
         # (TorchRec: one TBE per table), else the group would share one cache.
         fused[USE_ONE_TBE_PER_TABLE] = True
+    host_cache = ({t.name: int(cfg.tier.host_cache_mb * 2**20) for t in tables} if cfg.tier.kind == "ssd" else None)
     return ProactiveEmbeddingBagCollectionSharder(
         fused_params=fused, cache_load_factor=cfg.cache.load_factor,
-        eviction_policy=cfg.cache.eviction_policy, num_slots=slots, link=link,
+        eviction_policy=cfg.cache.eviction_policy, num_slots=slots, link=link, host_cache_bytes=host_cache,
     )
 
 
@@ -146,12 +150,26 @@ def plan(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg:
     """The sharding plan of ``sharding.*`` (TorchRec's planner for ``auto``). ``load_factors``:
     per table (the cache planner's, whose sharding types the plan keeps to: table- and
     column-wise, whose shards hold every row), else ``cache.load_factor`` for all."""
+    kernel, kv, ssd_cap = cfg.sharding.kernel, None, 0
+    if cfg.tier.kind == "ssd":
+        # TorchRec's words for a table larger than host memory (see the sharder): the host
+        # cache is sized per table by the sharder (tier.host_cache_mb), finer than l2_cache_size.
+        kernel, kv = "key_value", KeyValueParams(ssd_storage_directory=cfg.tier.dir)
+        ssd_cap = shutil.disk_usage(tier_parent(cfg.tier.dir)).total
     return build_plan(
-        model, sharder, cfg.sharding.type, kernel=cfg.sharding.kernel, world_size=env.world_size,
+        model, sharder, cfg.sharding.type, kernel=kernel, world_size=env.world_size,
         local_size=env.local_world_size, device_type=env.device.type,
         cache_load_factor=(load_factors or cfg.cache.load_factor) if cfg.sharding.kernel == "fused_uvm_caching" else None,
-        sharding_types=WHOLE_ROW_SHARDINGS if load_factors else None,
+        sharding_types=WHOLE_ROW_SHARDINGS if load_factors else None, key_value_params=kv, ssd_cap_bytes=ssd_cap,
     )
+
+
+def tier_parent(directory: str) -> Path:
+    """The nearest existing directory at or above ``directory`` (where its disk is)."""
+    path = Path(directory.replace("@local_rank", "0")).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def shard_rows(sharding_plan: ShardingPlan) -> Dict[str, int]:
@@ -160,7 +178,7 @@ def shard_rows(sharding_plan: ShardingPlan) -> Dict[str, int]:
     rows: Dict[str, int] = {}
     for module_plan in sharding_plan.plan.values():
         for name, ps in module_plan.items():  # type: ignore[union-attr]
-            if ps.compute_kernel == "fused_uvm_caching" and ps.sharding_spec is not None:
+            if ps.compute_kernel in PROACTIVE_KERNELS and ps.sharding_spec is not None:
                 rows[name] = max(int(shard.shard_sizes[0]) for shard in ps.sharding_spec.shards)
     return rows
 

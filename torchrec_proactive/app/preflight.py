@@ -9,6 +9,7 @@ the checkpoint check calls the checkpoint module's own readers.
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -133,4 +134,20 @@ def check_inputs(cfg: Config, world_size: Optional[int] = None) -> None:
     """Everything :mod:`.preflight` checks, in the order the ranks would meet it
     (``world_size``: the ranks to be started, where known)."""
     check_data_files(cfg.data)
+    check_tier_dir(cfg)
     check_resume(cfg, world_size)
+
+
+def check_tier_dir(cfg: Config) -> None:
+    """``tier=ssd``: ``tier.dir`` can be created and written (the ranks put their tables'
+    files in fresh sub-directories of it). ``@local_rank`` is checked for local rank 0."""
+    if cfg.tier.kind != "ssd":
+        return
+    path = Path(cfg.tier.dir.replace("@local_rank", "0"))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"tier.dir={cfg.tier.dir!r} cannot hold the tables' files: {e.strerror or e} "
+                        f"({e.filename or path}); give a writable directory on a local disk") from None

@@ -78,7 +78,7 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     model = model_lib.build_model(cfg.model, data.cardinalities, env.device)
     tables = model_lib.table_configs(cfg.model, data.cardinalities)
     depth = cfg.cache_depth if cache_depth is None else cache_depth
-    sharder = model_lib.build_sharder(cfg, {})
+    sharder = model_lib.build_sharder(cfg, {}, tables)
     load_factors = None
     if cfg.cache.budget_bytes:  # per-table sizes from the data's curves (app/cache_plan.py)
         from .cache_plan import plan_run_caches

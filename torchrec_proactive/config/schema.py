@@ -26,6 +26,7 @@ EVICTION_POLICIES = ("lru", "lfu")
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 LINK_KINDS = ("emulated", "none")
+TIER_KINDS = ("dram", "ssd")
 DEVICES = ("auto", "cpu", "cuda")
 NUM_SPARSE_FEATURES = 26  # Criteo's categorical columns
 NUM_DENSE_FEATURES = 13  # Criteo's integer columns
@@ -313,6 +314,28 @@ class LinkConfig:
 
 
 @dataclass(kw_only=True)
+class TierConfig:
+    """Where the proactive tables' rows live below the device cache."""
+
+    kind: str = "dram"
+    """``dram``: every row in host memory (the host tier); ``ssd``: tables larger than host
+    memory - each table shard's rows in a file under ``tier.dir``, behind a DRAM host cache
+    of ``tier.host_cache_mb`` (TorchRec's ``key_value`` kernel with ``KeyValueParams``)."""
+    dir: str = ""
+    """``ssd``: the directory of the tables' files (a local NVMe disk; ``@local_rank`` is
+    replaced by the rank's local rank). The files are scratch, removed at the end of the run."""
+    host_cache_mb: float = 64.0
+    """``ssd``: each table shard's host cache, in MiB (TorchRec's ``l2_cache_size`` is whole
+    GB per group; this is finer)."""
+
+    def __post_init__(self) -> None:
+        _choice("tier.kind", self.kind, TIER_KINDS)
+        _positive("tier.host_cache_mb", self.host_cache_mb)
+        if self.kind == "ssd" and not self.dir:
+            _fail("tier.dir", self.dir, "must name a directory for the tables' files with tier=ssd (a local NVMe disk)")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """The loop: length, batch, evaluation, logging, checkpoints, seeds."""
 
@@ -375,6 +398,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
+    tier: TierConfig = field(default_factory=TierConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -390,6 +414,9 @@ class Config:
             _fail("cache.sized_for_depth", self.cache.sized_for_depth,
                   f"must be >= the run's prefetch depth {self.prefetch.capacity_depth} (the caches must hold depth + 1 "
                   f"batches; leave it unset to size them for the run's own depth)")
+        if self.tier.kind == "ssd" and self.sharding.kernel != "fused_uvm_caching":
+            _fail("tier.kind", self.tier.kind, f"'ssd' needs sharding.kernel='fused_uvm_caching' (the proactive tables), "
+                  f"got {self.sharding.kernel!r}")
         if self.sharding.kernel == "fused" and self.prefetch.capacity_depth != 0:
             _fail("prefetch.mode", self.prefetch.mode,
                   "must be 'off' (or 'fixed' with depth 0) with sharding.kernel='fused' (stock tables have "
@@ -409,6 +436,7 @@ GROUPS = {
     "cache": CacheConfig,
     "optimizer": OptimizerConfig,
     "link": LinkConfig,
+    "tier": TierConfig,
     "train": TrainConfig,
 }
 SCHEMA_NAME = "proactive_schema"

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -57,6 +59,7 @@ from ..store import (
     pooled_lookup_group,
 )
 from ..store.row_space import device_store_rows  # noqa: F401 - (re-exported: tests import it here)
+from .disk_tier import ScratchDirectory, group_host_cache_bytes, resolve_directory
 from .host_views import LiveTableSlice, can_be_live, live_view, register_host_storage
 from .options import ProactiveOptions
 
@@ -159,6 +162,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         sharding_type: Optional[Any] = None,
         pooling_mode: Optional[PoolingMode] = None,
         host_buffer_on_device: Optional[torch.Tensor] = None,
+        disk: Optional["_DiskPlace"] = None,
     ) -> None:
         super().__init__(config, pg, device, sharding_type)
         if pooling_mode is not None:
@@ -186,15 +190,24 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # the training thread never reads the ids on the host (the store's DevicePlanner).
         self._on_device = options.plans_on_device(self._device)
         budgets = [_num_slots(t, options) for t in tables]
-        host_weight = _group_host_tier(config, host_buffer, self._host_views)
+        self._disk_place = disk
+        if disk is not None:
+            host_weight = torch.empty(sum(t.local_rows for t in tables), _group_dim(config), device="meta")
+        else:
+            host_weight = _group_host_tier(config, host_buffer, self._host_views)
         extra: Dict[str, Any] = {}
-        if self._on_device and host_buffer_on_device is not None:
+        if disk is not None:
+            if self._on_device:
+                raise NotImplementedError(f"tables {config.table_names()}: a group on disk is planned on the host "
+                                          f"(the sharder's planner='host'), got planner={options.planner!r}")
+            extra = {"disk_directory": disk.scratch.path, "host_cache_bytes": disk.host_cache_bytes}
+        elif self._on_device and host_buffer_on_device is not None:
             # The GPU addresses the host tier itself (FBGEMM's host-mapped UVM), optimizer
             # state included: the device planner's moves are kernels the issuing thread
             # enqueues, with no host read (store/row_moves.py, fetch/cuda.py).
             extra = _host_mapped_tier(host_weight, host_buffer, host_buffer_on_device,
                                       self.optimizer_config.state_shapes(int(host_weight.shape[1])))
-        self.store = TieredTable(
+        self.store = _build_store(
             planner="device" if self._on_device else "host",
             name="+".join(dict.fromkeys(t.name for t in tables)),  # column shards of a table: once
             host_weight=host_weight,
@@ -242,11 +255,17 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._host_written = False
         # What TorchRec hands out (state_dict, named_parameters, the optimizer's state) is
         # live: a read writes the cache back first, a write is taken by the cache (see
-        # host_views.py). The store itself reads and writes through plain aliases.
-        register_host_storage(host_buffer, self)
-        for state in self.store.exposed_state.values():
-            register_host_storage(state, self)
-        self._host_views = [live_view(v) for v in self._host_views]
+        # host_views.py; on disk, disk_views.py). The store itself reads and writes through
+        # plain aliases.
+        if disk is None:
+            register_host_storage(host_buffer, self)
+            for state in self.store.exposed_state.values():
+                register_host_storage(state, self)
+            self._host_views = [live_view(v) for v in self._host_views]
+        else:
+            self._host_views = [self._disk_view(0, seg.start, seg.num_rows) for seg in self.store.segments]
+            # The group's file and its directory are scratch: gone when the module is.
+            self._closer = weakref.finalize(self, _close_disk, self.store, disk.scratch)
         self._uvm_owner: Optional[torch.Tensor] = None  # set by from_stock on CUDA
         self.prefetch_depth = 0
         self._optim = ProactiveFusedOptimizer(self, pg)
@@ -291,6 +310,77 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         kernel._uvm_owner = keep_alive
         return kernel
 
+    @classmethod
+    def on_disk(
+        cls,
+        config: GroupedEmbeddingConfig,
+        options: ProactiveOptions,
+        user_fused_params: Mapping[str, Any],
+        engine: FetchEngine,
+        pg: Optional[Any],
+        device: Optional[torch.device],
+        sharding_type: Optional[Any] = None,
+        rank: int = 0,
+        local_rank: int = 0,
+    ) -> "ProactiveEmbeddingBag":
+        """A group planned ``key_value``: its rows in a file under the plan's directory (a
+        fresh sub-directory, removed with the module), behind a DRAM host cache
+        (``disk_tier.group_host_cache_bytes``). Built in the place of TorchRec's kernel,
+        which would allocate every row. The rows start at zero; the sharded module's
+        ``reset_parameters`` initialises them, in chunks, with each table's ``init_fn``."""
+        tables = config.embedding_tables
+        specs = {t.name: options.disk[t.name] for t in tables}
+        dim = _group_dim(config)
+        row_bytes = dim * 4 * (1 + _state_width(user_fused_params, dim))
+        host_cache = group_host_cache_bytes(specs, int(sum(t.local_rows for t in tables) * row_bytes))
+        parent = resolve_directory(next(iter(specs.values())).directory, local_rank)
+        scratch = ScratchDirectory(parent, "+".join(dict.fromkeys(t.name for t in tables)), rank)
+        try:
+            return cls(config, [], torch.empty(0), options, user_fused_params, engine, pg, device,
+                       sharding_type=sharding_type, disk=_DiskPlace(scratch, host_cache))
+        except BaseException:
+            scratch.remove()
+            raise
+
+    @property
+    def on_disk_tier(self) -> bool:
+        """Whether the group's host tier is a file behind a DRAM cache (planned ``key_value``)."""
+        return self._disk_place is not None
+
+    def _disk_view(self, component: int, start: int, num_rows: int) -> torch.Tensor:
+        from .disk_views import disk_view
+
+        return disk_view(self, self.store, component, start, num_rows)
+
+    @torch.no_grad()
+    def initialize_disk_rows(self, chunk_rows: int = 65536) -> None:
+        """Writes each table's initial weights (its ``init_fn``, chunk by chunk: the table
+        is never whole in DRAM) and zero optimizer state. Stock TorchRec's
+        ``reset_parameters`` runs ``init_fn`` on the whole local shard; a chunk at a time
+        draws the same distribution, not the same numbers."""
+        self.flush()
+        self._engine.drain()
+        states = list(self.store.host_state.values())
+        for seg, t in zip(self.store.segments, self._config.embedding_tables):
+            for at in range(0, seg.num_rows, chunk_rows):
+                n = min(chunk_rows, seg.num_rows - at)
+                weight = torch.empty(n, self.store.dim, dtype=self.store.host_weight.dtype)
+                if t.init_fn is not None:
+                    t.init_fn(weight)
+                else:
+                    weight.uniform_(-(1.0 / t.num_embeddings) ** 0.5, (1.0 / t.num_embeddings) ** 0.5)
+                zeros = [torch.zeros(n, *v.shape[1:], dtype=v.dtype) for v in states]
+                self.store.write_host_rows(seg.start + at, [weight, *zeros])
+        self.store.invalidate()
+
+    def close(self) -> None:
+        """Stops a disk group's I/O and removes its file and directory (idempotent; also
+        done when the module is collected or the process exits). No-op in DRAM."""
+        closer = getattr(self, "_closer", None)
+        if closer is not None:
+            self.flush()
+            closer()
+
     # ------------------------------------------------------------------ TorchRec contract
     @property
     def emb_module(self) -> "ProactiveEmbeddingBag":  # type: ignore[override]
@@ -303,6 +393,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def get_optimizer_state(self) -> List[Dict[str, torch.Tensor]]:
         """Per table, the host-tier optimizer state under FBGEMM's names (``sum``, ``exp_avg`` ...)."""
         names = _FBGEMM_STATE_NAMES[self.optimizer_config.optim]
+        if self._disk_place is not None:
+            order = list(self.store.host_state)
+            return [{fbgemm: self._disk_view(1 + order.index(ours), seg.start, seg.num_rows) for fbgemm, ours in names}
+                    for seg in self.store.segments]
         return [
             {fbgemm: live_view(self.store.exposed_state[ours][seg.start: seg.start + seg.num_rows])
              for fbgemm, ours in names}
@@ -343,6 +437,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def _param_per_table(self) -> Dict[str, TableBatchedEmbeddingSlice]:  # type: ignore[override]
         # One slice per table over the shared host buffer; several column shards of one
         # table on this rank are adjacent in the buffer and share one slice (as in TorchRec).
+        if self._disk_place is not None:
+            return self._disk_param_per_table()
         spans: Dict[str, Tuple[int, int, int]] = {}
         base = self._host_buffer.storage_offset()
         for cfg, view in zip(self._config.embedding_tables, self._host_views):
@@ -358,6 +454,19 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             )
             sl._in_backward_optimizers = [self._optim]  # type: ignore[attr-defined]
             out[name] = sl
+        return out
+
+    def _disk_param_per_table(self) -> Dict[str, nn.Parameter]:
+        """Per table, one parameter over its rows in the store (its column shards on this
+        rank are separate segments of one dim; the first is registered, as TorchRec
+        registers one slice per table)."""
+        out: Dict[str, nn.Parameter] = {}
+        for seg in self.store.segments:
+            if seg.name in out:
+                continue
+            param = nn.Parameter(self._disk_view(0, seg.start, seg.num_rows), requires_grad=False)
+            param._in_backward_optimizers = [self._optim]  # type: ignore[attr-defined]
+            out[seg.name] = param
         return out
 
     @_param_per_table.setter
@@ -795,3 +904,42 @@ def store_rows(ids: np.ndarray, feature_start: np.ndarray, stride: int, per_feat
     if blocks:
         return (ids.reshape(num_features, stride) + feature_start[:, None]).reshape(-1)
     return ids + np.repeat(feature_start, per_feature)
+
+
+@dataclass(frozen=True)
+class _DiskPlace:
+    """Where a group on disk keeps its file, and its host cache's bytes."""
+
+    scratch: ScratchDirectory
+    host_cache_bytes: int
+
+
+def _build_store(disk_directory: Optional[Path] = None, host_cache_bytes: int = 0, **kwargs: Any) -> TieredTable:
+    """The group's store: in DRAM over the host weight given, or on disk (``TieredTable.on_disk``)."""
+    if disk_directory is None:
+        return TieredTable(**kwargs)
+    host_weight = kwargs.pop("host_weight")
+    return TieredTable.on_disk(kwargs.pop("name"), int(host_weight.shape[0]), int(host_weight.shape[1]),
+                               kwargs.pop("optimizer"), kwargs.pop("num_slots"), directory=disk_directory,
+                               host_cache_bytes=host_cache_bytes, dtype=host_weight.dtype, **kwargs)
+
+
+def _close_disk(store: TieredTable, scratch: ScratchDirectory) -> None:
+    try:
+        store.close()
+    finally:
+        scratch.remove()
+
+
+def _group_dim(config: GroupedEmbeddingConfig) -> int:
+    dims = {int(t.local_cols) for t in config.embedding_tables}
+    if len(dims) != 1:
+        raise NotImplementedError(
+            f"tables {config.table_names()}: one proactive group needs one embedding dim, got {sorted(dims)}")
+    return dims.pop()
+
+
+def _state_width(fused_params: Mapping[str, Any], dim: int) -> float:
+    """Optimizer state per row, in units of the row's weights (for sizing only)."""
+    shapes = OptimizerConfig.from_fused_params(fused_params).state_shapes(dim)
+    return sum(float(np.prod(shape)) if len(shape) else 1.0 for shape in shapes.values()) / dim

@@ -9,6 +9,7 @@ import torch
 
 from ..fetch import LinkModel
 from ..store import EvictionPolicy
+from .disk_tier import DiskTierSpec
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class ProactiveOptions:
             load factors (e.g. by the cache planner), else shared; on the device planner,
             which does not partition its cache yet, ``auto`` is shared and ``per_table`` is
             refused.
+        disk: per table planned ``key_value``, where its rows live (``disk_tier.py``); set by
+            the sharder from the plan. Its host cache is the store's host tier.
     """
 
     cache_load_factor: float = 0.2
@@ -45,6 +48,7 @@ class ProactiveOptions:
     debug_checks: bool = False
     planner: str = "auto"
     table_budgets: str = "auto"
+    disk: Mapping[str, DiskTierSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.table_budgets not in ("auto", "per_table", "shared"):

@@ -16,8 +16,12 @@ per-kernel bandwidth table) rather than by replacing another kernel in the plan:
   (expected misses x row bytes / host-to-device bandwidth) when the plan's ``CacheParams``
   carry cache statistics.
 
-Only the missing ``(cpu, fused_uvm_caching)`` entry is added, to every registered estimator
-config that lacks it; no existing entry or plan changes.
+The same holds for ``key_value`` (a table on disk behind a DRAM host cache: its lookups read
+the same device cache). TorchRec plans ``key_value`` only where the topology has SSD
+(``Topology(ssd_cap=...)``): without it the planner refuses the table, as stock does.
+
+Only the missing ``(cpu, fused_uvm_caching)`` and ``(cpu, key_value)`` entries are added, to
+every registered estimator config that lacks them; no existing entry or plan changes.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from torchrec.distributed.planner.estimator.annotations import device_bw
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
 
 CACHED_KERNEL = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+KEY_VALUE_KERNEL = EmbeddingComputeKernel.KEY_VALUE.value
 CPU_CACHED_LOOKUP_BW = 1.0 * DDR_MEM_BW  # bytes/ms, as TorchRec rates `fused` on CPU
 
 
 def register_cpu_cached_kernel() -> None:
-    """Adds the ``(cpu, fused_uvm_caching)`` bandwidth to TorchRec's estimator configs (idempotent)."""
-    key = ("cpu", CACHED_KERNEL)
-    for config_cls in list(EmbeddingPerfEstimatorFactory._registry.values()):  # noqa: SLF001 - no public list
-        if key not in (getattr(config_cls, "kernel_device_bandwidths", None) or {}):
-            device_bw(bandwidth=CPU_CACHED_LOOKUP_BW, device="cpu", compute_kernel=CACHED_KERNEL)(config_cls)
+    """Adds the ``(cpu, fused_uvm_caching)`` and ``(cpu, key_value)`` bandwidths to TorchRec's
+    estimator configs (idempotent)."""
+    for kernel in (CACHED_KERNEL, KEY_VALUE_KERNEL):
+        for config_cls in list(EmbeddingPerfEstimatorFactory._registry.values()):  # noqa: SLF001 - no public list
+            if ("cpu", kernel) not in (getattr(config_cls, "kernel_device_bandwidths", None) or {}):
+                device_bw(bandwidth=CPU_CACHED_LOOKUP_BW, device="cpu", compute_kernel=kernel)(config_cls)

@@ -17,18 +17,21 @@ Tables planned with other kernels stay stock; so do data-parallel tables.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionContext,
@@ -40,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine, FetchFailedError, Ticket, make_transport
 from ..store import CacheCapacityError, NotPrefetchedError, StoreStateError
+from .disk_tier import GROUP_KEY
 from .embedding_kernel import PlannedGroup, PreparedBatch, ProactiveEmbeddingBag
 from .validation import InputValidator
 from .options import ProactiveOptions
@@ -209,6 +213,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._proactive_options = proactive_options or ProactiveOptions()
         self._proactive_kernels: List[ProactiveEmbeddingBag] = []
         self._user_fused_params: Dict[int, Dict[str, Any]] = {}  # id(group config) -> user's params
+        self._disk_groups: Dict[int, Any] = {}  # id(group config) -> config, for groups on disk
         device = kwargs.get("device") or torch.device("cpu")
         self._fetch_engine = FetchEngine(make_transport(device, self._proactive_options.link))
         super().__init__(*args, **kwargs)
@@ -234,7 +239,12 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     # ------------------------------------------------------------------ construction
     def _create_lookups(self) -> None:
-        super()._create_lookups()
+        # A group on disk may be larger than host memory, so TorchRec must not build a stock
+        # kernel for it (that allocates every row): while the lookups are built, the one
+        # method that builds a group's kernel builds ours for those groups (see
+        # ``_disk_kernels_built_here``).
+        with _disk_kernels_built_here(self._disk_groups, self._build_disk_kernel):
+            super()._create_lookups()
         # TorchRec has no public hook to choose the kernel class of a lookup group, so the
         # stock fused kernel of each proactive group is replaced here, right after the
         # lookups are built and before the fused optimizers and state-dict views are
@@ -252,6 +262,9 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 if id(config) not in self._user_fused_params:  # marked in create_embedding_bag_sharding
                     continue
                 stock = modules[g]
+                if isinstance(stock, ProactiveEmbeddingBag):  # (a group on disk: built as ours)
+                    self._proactive_kernels.append(stock)
+                    continue
                 if not isinstance(stock, BatchedFusedEmbeddingBag):
                     raise NotImplementedError(
                         f"tables {config.table_names()}: proactive caching needs the fused kernel, "
@@ -268,6 +281,14 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             kernels = [m if isinstance(m, ProactiveEmbeddingBag) else None for m in modules]
             self._group_layout.append((splits, kernels))
 
+    def _build_disk_kernel(self, config: Any, device: Optional[torch.device], pg: Any,
+                           sharding_type: Any) -> ProactiveEmbeddingBag:
+        return ProactiveEmbeddingBag.on_disk(
+            config, self._proactive_options, self._user_fused_params[id(config)], self._fetch_engine,
+            pg=pg, device=device, sharding_type=sharding_type, rank=self._env.rank,
+            local_rank=int(os.environ.get("LOCAL_RANK", self._env.rank)),
+        )
+
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,
         sharding_infos: List[EmbeddingShardingInfo],
@@ -283,6 +304,13 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # supported on every FBGEMM backend, unlike e.g. Adam on CPU); the user's params go
         # to ProactiveEmbeddingBag. (TorchRec calls this classmethod through the instance,
         # which is what lets us keep per-module state.)
+        # A table on disk carries its directory into TorchRec's grouping key, so that a group
+        # never mixes tables on disk with tables in DRAM (one store per group, one host tier).
+        disk = self._proactive_options.disk
+        for info in sharding_infos:
+            spec = disk.get(info.embedding_config.name)
+            if spec is not None:
+                info.fused_params = {**(info.fused_params or {}), GROUP_KEY: spec.directory}
         sharding = ShardedEmbeddingBagCollection.create_embedding_bag_sharding.__func__(  # type: ignore[attr-defined]
             type(self), sharding_infos, env, device, permute_embeddings=permute_embeddings,
             qcomm_codecs_registry=qcomm_codecs_registry,
@@ -291,6 +319,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for config in _local_grouped_configs(sharding):
             if is_proactive_group(config) and id(config) not in self._user_fused_params:
                 fused = dict(config.fused_params or {})
+                if fused.pop(GROUP_KEY, None) is not None:
+                    self._disk_groups[id(config)] = config
                 self._user_fused_params[id(config)] = dict(fused)
                 fused["optimizer"] = EmbOptimType.EXACT_SGD
                 # The stock kernel caches nothing for us: FBGEMM's default policy, since its
@@ -311,10 +341,26 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def reset_parameters(self) -> None:
         """TorchRec re-initialises the weights (the host tier) in place, e.g. for meta-built
         models: the cached rows take the new weights and keep their optimizer state, as
-        stock's tables do (the reset writes weights only)."""
-        super().reset_parameters()
+        stock's tables do (the reset writes weights only). Tables on disk are initialised
+        by their kernels, a chunk at a time (``initialize_disk_rows``); TorchRec skips them
+        as it skips its own ``key_value`` tables."""
+        kernels = getattr(self, "_proactive_kernels", [])
+        on_disk = [k for k in kernels if k.on_disk_tier]
+        with _planned_key_value(self.module_sharding_plan, {t for k in on_disk for t in k.table_names()}):
+            super().reset_parameters()
+        if self._device is not None and self._device.type == "meta":
+            return
+        for kernel in kernels:
+            if kernel.on_disk_tier:
+                kernel.initialize_disk_rows()
+            else:
+                kernel.adopt_host_writes()
+
+    def close(self) -> None:
+        """Removes the files of this module's tables on disk (also done when it is collected
+        or the process exits); the module is unusable for them afterwards."""
         for kernel in getattr(self, "_proactive_kernels", []):
-            kernel.adopt_host_writes()
+            kernel.close()
 
     def create_context(self) -> ProactiveEBCContext:
         return ProactiveEBCContext()
@@ -728,3 +774,41 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     n += 1
                 out[key] = table
         return out
+
+
+@contextlib.contextmanager
+def _planned_key_value(plan: Dict[str, Any], tables: set) -> Iterator[None]:
+    """While TorchRec's ``reset_parameters`` runs, the tables on disk read as planned
+    ``key_value`` (as the user planned them), which it skips: their kernels initialise them
+    a chunk at a time instead of one ``init_fn`` over the whole shard."""
+    saved = {t: plan[t] for t in tables if t in plan}
+    for t, ps in saved.items():
+        plan[t] = dataclasses.replace(ps, compute_kernel=EmbeddingComputeKernel.KEY_VALUE.value)
+    try:
+        yield
+    finally:
+        plan.update(saved)
+
+
+@contextlib.contextmanager
+def _disk_kernels_built_here(groups: Dict[int, Any], build: Any) -> Iterator[None]:
+    """While TorchRec builds the lookups of a module with groups on disk, its pooled lookup
+    builds :class:`ProactiveEmbeddingBag` for those groups (``build(config, device, pg,
+    sharding_type)``) and its own kernel for every other group. TorchRec has no hook to
+    choose a group's kernel class; this is the narrowest place: one method, one class, for
+    the duration of one constructor call, restored whatever happens."""
+    if not groups:
+        yield
+        return
+    original = GroupedPooledEmbeddingsLookup._create_embedding_kernel
+
+    def create(lookup: Any, config: Any, device: Any, pg: Any, sharding_type: Any, *args: Any, **kwargs: Any) -> Any:
+        if id(config) in groups:
+            return build(config, device, pg, sharding_type)
+        return original(lookup, config, device, pg, sharding_type, *args, **kwargs)
+
+    GroupedPooledEmbeddingsLookup._create_embedding_kernel = create  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GroupedPooledEmbeddingsLookup._create_embedding_kernel = original  # type: ignore[method-assign]

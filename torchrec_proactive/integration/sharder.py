@@ -16,6 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from ..fetch import LinkModel
 from .options import ProactiveOptions
+from .disk_tier import KEY_VALUE, DiskTierSpec, spec_from_plan
 from .planner_support import register_cpu_cached_kernel
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 
@@ -40,6 +41,14 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     other table stays stock TorchRec. On CPU, where TorchRec itself has no UVM, the planner
     is offered ``fused_uvm_caching`` by this sharder so cached tables can be planned too.
 
+    Tables larger than host memory are planned as TorchRec offloads them to SSD: compute
+    kernel ``key_value`` with ``ParameterConstraints(key_value_params=KeyValueParams(
+    ssd_storage_directory=DIR, l2_cache_size=GB))`` (and a ``Topology(ssd_cap=...)``, which
+    TorchRec's planner needs to place them). They get a third tier: the device cache (the
+    plan's ``CacheParams(load_factor=...)``) over a DRAM host cache of ``l2_cache_size`` GB
+    per group (or ``host_cache_bytes`` per table) over a file of the shard's rows under DIR,
+    removed when the model is closed or collected. On CPU for now (see ``disk_tier.py``).
+
     Args:
         fused_params: as for ``EmbeddingBagCollectionSharder``.
         cache_load_factor: default cache size as a fraction of each local shard's rows.
@@ -56,6 +65,8 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         table_budgets: ``"auto"`` (a group's tables with different load factors each keep
             their own share of its store's cache), ``"per_table"`` or ``"shared"``; see
             ``ProactiveOptions``.
+        host_cache_bytes: per ``key_value`` table, its host cache in bytes (finer than the
+            plan's ``l2_cache_size``, which is whole GB per group: for small tables and tests).
     """
 
     def __init__(
@@ -71,6 +82,7 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         debug_checks: bool = False,
         planner: str = "auto",
         table_budgets: str = "auto",
+        host_cache_bytes: Optional[Mapping[str, int]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
@@ -84,15 +96,19 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             planner=planner,
             table_budgets=table_budgets,
         )
+        self.host_cache_bytes: Dict[str, int] = dict(host_cache_bytes or {})
         self._announced = False
         hide_own_planner_notes()
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         """Stock's kernels, with ``fused_uvm_caching`` offered exactly for the sharding types
         proactive tables support (so the planner never picks a placement ``shard`` refuses)."""
-        kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type) if k != _CACHED]
+        kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type)
+                   if k not in (_CACHED, KEY_VALUE)]
         if sharding_type in _SUPPORTED_SHARDING:
             kernels.append(_CACHED)
+            if compute_device_type == "cpu":  # (the disk tier is planned on the host: CPU for now)
+                kernels.append(KEY_VALUE)
         return kernels
 
     def shard(
@@ -103,10 +119,16 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ProactiveShardedEmbeddingBagCollection:
-        marked = self._mark_cached_tables(module, params)
+        disk: Dict[str, DiskTierSpec] = {}
+        marked = self._mark_cached_tables(module, params, disk)
+        options = dataclasses.replace(self.options, disk=disk) if disk else self.options
+        if disk and device is not None and torch.device(device).type != "cpu":
+            raise NotImplementedError(
+                f"tables {sorted(disk)}: planned {KEY_VALUE!r} on {torch.device(device).type}; the proactive disk "
+                f"tier serves CPU ranks for now (plan them fused_uvm_caching on a GPU)")
         if not self._announced and getattr(env, "rank", 0) == 0:
             self._announced = True  # once per sharder (a model's), on one rank
-            self.announce(marked, self.options)
+            self.announce(marked, options)
         return ProactiveShardedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=marked,
@@ -116,7 +138,7 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
-            proactive_options=self.options,
+            proactive_options=options,
         )
 
     @staticmethod
@@ -132,9 +154,12 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             sizes = _cache_rows(params, options or ProactiveOptions())
             shown = ", ".join(f"{name} {slots}/{rows}" for name, (slots, rows) in sizes.items())
             rest = len(params) - proactive
+            disk = sorted((options.disk if options else {}) or {})
+            on_disk = (f"; on disk ({KEY_VALUE}: a file under {options.disk[disk[0]].directory} behind a DRAM host "
+                       f"cache): {', '.join(disk)}" if disk and options else "")
             _LOG.warning("torchrec-proactive: %d of %d table(s) are proactive (planned %s: a host tier, and a device "
-                         "cache its rows are fetched into ahead of their lookup); cache rows / table rows: %s%s",
-                         proactive, len(params), _CACHED, shown,
+                         "cache its rows are fetched into ahead of their lookup); cache rows / table rows: %s%s%s",
+                         proactive, len(params), _CACHED, shown, on_disk,
                          f"; the other {rest} stay stock TorchRec" if rest else "")
             return proactive
         if params:
@@ -152,12 +177,15 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return ProactiveShardedEmbeddingBagCollection
 
     def _mark_cached_tables(
-        self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding]
+        self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding],
+        disk: Optional[Dict[str, DiskTierSpec]] = None,
     ) -> Dict[str, ParameterSharding]:
         """Copies the plan, turning on ``CacheParams.prefetch_pipeline`` for cached tables.
 
         That flag is TorchRec's own marker for "this cache is filled ahead of the lookup"; it
-        also keeps these tables in their own lookup groups. The user's plan is not mutated.
+        also keeps these tables in their own lookup groups. A ``key_value`` table becomes a
+        cached table whose host tier is on disk: its spec goes to ``disk``. The user's plan
+        is not mutated.
         """
         known = {c.name for c in module.embedding_bag_configs()}
         unknown = sorted(set(params) - known)
@@ -168,11 +196,16 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
         out: Dict[str, ParameterSharding] = {}
         for name, ps in params.items():
-            if ps.compute_kernel == _CACHED and ps.sharding_type not in _SUPPORTED_SHARDING:
+            if ps.compute_kernel in (_CACHED, KEY_VALUE) and ps.sharding_type not in _SUPPORTED_SHARDING:
                 raise ValueError(
                     f"table '{name}': sharding type {ps.sharding_type!r} is not supported for proactive "
-                    f"(fused_uvm_caching) tables; supported: {sorted(_SUPPORTED_SHARDING)}"
+                    f"({ps.compute_kernel}) tables; supported: {sorted(_SUPPORTED_SHARDING)}"
                 )
+            if ps.compute_kernel == KEY_VALUE:
+                spec = spec_from_plan(name, ps.key_value_params, self.host_cache_bytes.get(name))
+                if disk is not None:
+                    disk[name] = spec
+                ps = dataclasses.replace(ps, compute_kernel=_CACHED)
             if ps.compute_kernel == _CACHED:
                 cache = ps.cache_params or CacheParams()
                 cache = dataclasses.replace(

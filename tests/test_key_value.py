@@ -1,0 +1,40 @@
+"""Issue 42 item 4: tables planned the way TorchRec offloads tables to SSD - compute kernel
+``key_value`` with ``ParameterConstraints(key_value_params=KeyValueParams(
+ssd_storage_directory=DIR))`` - are served by the proactive sharder from the three-tier store
+(device cache <- DRAM host cache <- a file per table shard), on gloo ranks, exactly.
+
+Rank-side code: tests/key_value_worker.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import key_value_worker
+from .cases_worker import launch_cases, ok
+
+TOL = 1e-5
+CASES = [("table_wise", "rowwise_adagrad"), ("row_wise", "sgd"), ("column_wise", "adam"),
+         ("table_row_wise", "rowwise_adagrad")]
+_results = {}
+
+
+def _case(tmp_path_factory, sharding, optim):
+    if not _results:
+        base = tmp_path_factory.mktemp("kv")
+        _results.update(launch_cases(
+            key_value_worker.check_against_stock, CASES,
+            [{"sharding": s, "optim": o, "directory": str(base / f"{s}-{o}")} for s, o in CASES], timeout_s=300))
+    return ok(_results[(sharding, optim)])
+
+
+@pytest.mark.parametrize("sharding,optim", CASES)
+def test_key_value_tables_train_as_stock(tmp_path_factory, sharding, optim):
+    for rank, res in enumerate(_case(tmp_path_factory, sharding, optim)):
+        for depth in ("depth2", "depth0"):
+            r = res[depth]
+            assert r["param_diff"] <= TOL and r["out_diff"] <= TOL, (rank, depth, r)
+            # the tables lived on disk: rows came from and went to the files, which are gone at close
+            assert r["rows_read"] > 0 and r["rows_written"] > 0, (rank, depth, r)
+            assert r["files_while_alive"] >= 1 and r["files_after_close"] == 0, (rank, depth, r)
+        assert res["depths_bit_identical"], rank
