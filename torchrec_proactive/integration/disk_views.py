@@ -34,6 +34,12 @@ holds no storage of its own (a ``_make_wrapper_subclass`` tensor with ``__torch_
 * ``repr()`` shows the table, component and row range, not values (a debugger or a log line
   reads nothing from disk).
 
+The owner is held weakly (the kernel keeps its views; the table's file goes with the
+kernel): a value access through a view that outlived it raises, naming the table.
+
+Costs to know: an op reads every row its view arguments cover, so indexing with a tensor
+(``v[ids]``, ``index_select``) of a view reads the whole view first; take a narrower view.
+
 Not supported: in-place ops that change a view's metadata (``resize_``, ``set_``,
 ``squeeze_``, ``transpose_`` ...), writes through a view with repeated elements
 (``expand``), ``data_ptr``/``untyped_storage`` bytes (there are none), autograd through
@@ -55,6 +61,8 @@ those rows only. A checkpoint saved in chunks thus loads chunk by chunk, into an
 (resharding) and any cache sizes. A checkpoint saved in one piece per shard (stock planner,
 or a table in DRAM) still loads into disk views, written in chunks, but DCP's reader holds
 each saved piece in DRAM while it copies it; save with ``StreamingSavePlanner`` to avoid that.
+(TorchRec's opt-in DTensor state dict wraps local shards in ``LocalShardsWrapper``, which
+also answers one item per shard; the planner does not split those: untested, not used here.)
 
 ``disk_view_io(store)`` counts every read and write the views of a store make (calls, rows,
 the most rows in one call, the most rows assembled in DRAM at once): deterministic figures
