@@ -11,29 +11,47 @@ Why rows and not pages: ids are hashed, so a page's other rows are as cold as an
 of pages would hold one wanted row and ``rows_per_page - 1`` unwanted ones per slot (at 15
 rows a page, a 25% cache holds fewer hot rows than a 2% row cache). A read fetches a page
 (the unit ``O_DIRECT`` moves) and keeps the rows asked for; a dirty row evicted is written
-by a read-modify-write of its page.
+by a read-modify-write of its page (no read when the page's every row is written).
 
 Data path of one batch:
 
-1. ``prefetch(rows)`` - bookkeeping on the caller's thread: which rows are in DRAM (pinned),
-   which are not (each gets a slot: a free one, else the least recently used unpinned one,
-   whose row is written to the file first when dirty). Returns a :class:`DiskTicket` at
-   once; its I/O runs in the background.
-2. ``wait(ticket)`` - the rows are in DRAM.
+1. ``prefetch(rows, write_only)`` - bookkeeping on the caller's thread: which rows are in
+   DRAM (pinned), which are not (each gets a slot: a free one, else the least recently used
+   unpinned one; a dirty victim's record is copied out now, to be written to its page).
+   ``rows`` are read from the file; ``write_only`` rows - whole records the caller
+   overwrites, such as the device cache's write-backs - get a slot and no read. Returns a
+   :class:`DiskTicket` at once; its I/O runs in the background.
+2. ``wait(ticket)`` - the rows are in DRAM (its write-backs may still be in flight: their
+   records were copied out, and the page order below keeps them exact).
 3. ``gather(rows)`` / ``scatter(rows, values)`` - read or write the rows' records (weights,
    then each optimizer state) in DRAM; a scatter marks them dirty.
 4. ``release(ticket)`` - unpins the rows (each ticket once).
 5. ``flush()`` - every dirty row written to the file (e.g. before a checkpoint reads it).
 
-One owner orders every disk move: tickets run one after another on one thread, in issue
-order. A ticket reads the pages of its missing rows and of its dirty victims (all in flight
-together), patches the victims' records into their pages and writes those pages, then
-copies the missing rows into their slots. So a row evicted dirty reaches its file before
-any later read of it, whatever is in flight, and two victims of one page never overwrite
-each other.
+One owner orders every disk move: one thread takes the tickets in issue order and turns each
+into page requests on the file's pool of ``io_threads`` (default 64), so the reads of several
+tickets - batches staged ahead, and the batch being planned - are in flight together. The
+order it keeps:
+
+* per page: a request on page P waits for every earlier *write* of P (a write is a
+  read-modify-write of P, patching the victims' records in). So a row evicted dirty reaches
+  its file before any later read of it, and two write-backs of one page never overwrite each
+  other. Reads of pages no earlier write touches run in any order;
+* per slot: a ticket whose rows hit slots another ticket is still reading is ready only when
+  that one is (``deps``); a victim slot whose read is still landing (its batch was unstaged
+  first) takes its new row only after it landed (``slot_deps``).
+
+Faults: a failed request is one ``DiskTierError`` naming the table and the file. A ticket
+whose read failed raises it at ``wait`` and the rows it was to read are unmapped (read again
+next time). A dirty record whose write failed stays in DRAM as an *orphan*: the next
+prefetch of its row takes it from there (dirty again, written with its next eviction) and
+``flush`` writes it, so nothing is lost and a retry after the fault is cleared continues
+exactly. A write failure (or a failed read of a batch staged and never waited) is raised by
+the next ``wait`` or ``flush``.
 
 Invariants (``check_invariants``): ``row_slot`` and ``slot_row`` are inverse on occupied
-slots; a pinned slot is never a victim; pins return to 0 when every ticket is released.
+slots; a pinned slot is never a victim; a dirty slot holds its row's value; no orphan is
+also cached; pins return to 0 when every ticket is released.
 """
 
 from __future__ import annotations
@@ -47,9 +65,15 @@ import numpy as np
 import torch
 
 from .errors import CacheCapacityError, StoreStateError
-from .row_file import RowFile, aligned_buffer
+from .row_file import DiskTierError, RowFile, aligned_buffer
 
-__all__ = ["Component", "DiskHostTier", "DiskTicket", "record_layout"]
+__all__ = ["Component", "DiskHostTier", "DiskTicket", "HostCacheCapacityError", "record_layout"]
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+class HostCacheCapacityError(CacheCapacityError):
+    """The host cache cannot hold the rows that batches in flight and staged pin together."""
 
 
 @dataclass(frozen=True)
@@ -74,24 +98,77 @@ def record_layout(components: Sequence[Component]) -> Tuple[List[int], int]:
     return offsets, max(8, -(-at // 8) * 8)
 
 
+class _PageWrite:
+    """One write request (some consecutive pages); ``event`` is set when it ended. When it
+    failed, ``failed_seq`` is the last ticket issued before its records became orphans:
+    those tickets may have planned to read the rows from the file, which lacks them."""
+
+    __slots__ = ("event", "failed_seq")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.failed_seq: Optional[int] = None
+
+
+@dataclass(eq=False)
+class _Run:
+    """One request of a ticket: file pages ``[first, first + count)`` in its staging at page
+    ``at``; ``read``: the pages are read first; its read rows ``[r0, r1)`` and write rows
+    ``[w0, w1)`` (the ticket's sorted lists); the earlier writes of its pages it follows;
+    its own write, if it writes."""
+
+    first: int
+    at: int
+    count: int
+    read: bool
+    r0: int
+    r1: int
+    w0: int
+    w1: int
+    after: List[_PageWrite]
+    write: Optional[_PageWrite]
+
+
 @dataclass(eq=False)
 class DiskTicket:
-    """The disk moves of one batch: dirty victims to write back (their rows, from their
-    slots, before those slots are reused) and rows to read into their slots; the slots it
-    pins until ``release``."""
+    """The disk moves of one batch (or one stage, or one flush): rows to read into their
+    slots, write-only rows given slots, dirty records to write (copied out at prefetch; an
+    orphan flag says the row is no longer cached, so its record is the only copy), and the
+    slots it pins until ``release``.
+
+    ``done()``: its rows are in DRAM (its reads landed, and those of the tickets it waits
+    for); its writes may still be in flight."""
 
     seq: int
+    kind: str
     pinned_slots: np.ndarray
-    write_rows: np.ndarray
-    write_slots: np.ndarray
     read_rows: np.ndarray
     read_slots: np.ndarray
+    wo_rows: np.ndarray
+    wo_slots: np.ndarray
+    write_rows: np.ndarray
+    write_records: np.ndarray
+    write_orphan: np.ndarray
+    deps: List["DiskTicket"] = field(default_factory=list, repr=False)
+    slot_deps: List["DiskTicket"] = field(default_factory=list, repr=False)
     released: bool = False
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _error: Optional[BaseException] = field(default=None, repr=False)
+    reported: bool = False
+    _ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    _finished: threading.Event = field(default_factory=threading.Event, repr=False)
+    _read_error: Optional[BaseException] = field(default=None, repr=False)
+    _write_error: Optional[BaseException] = field(default=None, repr=False)
+    _reads_left: int = field(default=0, repr=False)
+    _tasks_left: int = field(default=0, repr=False)
+    _staging: Optional[np.ndarray] = field(default=None, repr=False)
+    _runs: List[_Run] = field(default_factory=list, repr=False)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return (self._ready.is_set() and all(d._ready.is_set() for d in self.deps)
+                and all(d._ready.is_set() for d in self.slot_deps))
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._read_error
 
 
 class DiskHostTier:
@@ -101,7 +178,7 @@ class DiskHostTier:
         file: the table shard's file (its ``row_bytes`` must be ``record_layout``'s size).
         components: the record's parts (weight, then each optimizer state).
         num_row_slots: rows the DRAM cache holds (at least the rows any batches in flight
-            pin together).
+            and staged pin together).
     """
 
     def __init__(self, file: RowFile, components: Sequence[Component], num_row_slots: int) -> None:
@@ -128,163 +205,478 @@ class DiskHostTier:
         self.slot_row = np.full(self.num_slots, -1, dtype=np.int64)
         self.pins = np.zeros(self.num_slots, dtype=np.int32)
         self.dirty = np.zeros(self.num_slots, dtype=bool)
+        # Whether the slot holds its row's value (False: a read or a write-only row's
+        # overwrite has not landed yet).
+        self.valid = np.zeros(self.num_slots, dtype=bool)
+        # The ticket reading into each slot (its seq; 0: none).
+        self._filler = np.zeros(self.num_slots, dtype=np.int64)
         self.last_used = np.zeros(self.num_slots, dtype=np.int64)
         self._clock = 0
         self._seq = 0
         self.in_flight = 0
-        self.rows_read = self.rows_written = self.row_hits = self.row_misses = 0
-        self.pages_read = self.pages_written = 0
-        self.max_requests_in_flight = 0
+        # Bookkeeping is changed by the planning thread and the fetch engine's thread, and
+        # counters by the I/O threads: one lock for all of it (held for NumPy ops only).
+        self._lock = threading.Lock()
+        self._pending: Dict[int, DiskTicket] = {}  # tickets whose reads have not all landed
+        self._failed: List[DiskTicket] = []  # failed tickets not yet forgotten
+        self._unreported: List[BaseException] = []  # faults no ``wait`` has raised yet
+        self._orphans: Dict[int, np.ndarray] = {}  # row -> its record, when its write failed
+        self._last_write: Dict[int, _PageWrite] = {}  # page -> its last write (the owner's only)
+        self.reset_stats()
         self._queue: "queue.Queue[Optional[DiskTicket]]" = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"disk-{self.table}", daemon=True)
         self._worker.start()
 
+    def reset_stats(self) -> None:
+        """Zeroes the counters (``stats``), this tier's and its file's."""
+        self.rows_read = self.rows_written = self.row_hits = self.row_misses = 0
+        self.write_only_rows = self.pages_not_read = self.orphans_taken = self.write_failures = 0
+        self.tickets = self.tickets_read = self.rows_read_per_ticket_max = 0
+        self.stages = self.stage_rows = self.stage_rows_read = 0
+        self.plan_rows_hit = self.plan_rows_missed = 0
+        f = self.file
+        with f._lock:
+            f.reads = f.writes = f.bytes_read = f.bytes_written = f.pages_read = f.pages_written = 0
+            f.reads_in_flight_max = f._reads_in_flight_sum = 0
+
     # ------------------------------------------------------------------ planning
     def _unique_rows(self, rows: np.ndarray) -> np.ndarray:
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= self.num_rows):
             bad = int(rows.min()) if rows.min() < 0 else int(rows.max())
             raise StoreStateError(f"table '{self.table}': row {bad} is not in the file's rows [0, {self.num_rows})")
         return np.unique(rows)
 
-    def prefetch(self, rows: np.ndarray) -> DiskTicket:
-        """Pins ``rows`` in DRAM and queues the disk moves that bring the missing ones in
-        (dirty victims written first). Raises ``CacheCapacityError``, changing nothing,
-        when they do not fit beside the pinned rows."""
+    def prefetch(self, rows: np.ndarray, write_only: Optional[np.ndarray] = None, kind: str = "batch") -> DiskTicket:
+        """Pins ``rows`` and ``write_only`` rows in DRAM and queues the disk moves that read
+        the missing ``rows`` (``write_only`` rows get a slot, no read: the caller overwrites
+        their whole records after ``wait``). Dirty victims' records are copied out now and
+        written in the background. ``kind``: ``"batch"``, ``"stage"`` (a future batch's rows,
+        read ahead) or ``"bulk"`` (whole-table reads and writes), for the counters only.
+
+        Raises ``HostCacheCapacityError`` (a ``CacheCapacityError``), changing nothing, when
+        the rows do not fit beside the pinned ones."""
         rows = self._unique_rows(rows)
-        slots = self.row_slot[rows]
+        wo = _EMPTY if write_only is None else self._unique_rows(write_only)
+        if wo.size and rows.size:
+            wo = np.setdiff1d(wo, rows, assume_unique=True)
+        with self._lock:
+            self._sweep()
+            ticket = self._plan(rows, wo, kind)
+            if ticket._tasks_left:
+                self._queue.put(ticket)  # (under the lock: the owner takes tickets in seq order)
+        return ticket
+
+    def _plan(self, rows: np.ndarray, wo: np.ndarray, kind: str) -> DiskTicket:
+        """``prefetch``'s bookkeeping (under the lock)."""
+        all_rows = np.concatenate((rows, wo))
+        slots = self.row_slot[all_rows]
         miss = slots < 0
-        need = int(miss.sum())
+        need = int(np.count_nonzero(miss))
+        hit_slots = slots[~miss]
         if need:
-            candidates = np.flatnonzero(self.pins == 0)
-            candidates = np.setdiff1d(candidates, slots[~miss], assume_unique=True)
+            free = self.pins == 0
+            free[hit_slots] = False
+            candidates = np.flatnonzero(free)
             if candidates.size < need:
-                pinned = int(self.pins.astype(bool).sum())
-                raise CacheCapacityError(
-                    f"table '{self.table}': a batch needs {need} more rows in the host cache of {self.num_slots} "
-                    f"rows, but only {candidates.size} are not pinned by batches in flight; give the host cache at "
-                    f"least {pinned + rows.size} rows ({(pinned + rows.size) * self.record} bytes). Nothing changed")
-            # Free slots first (their row is -1), then the least recently used.
-            order = np.lexsort((self.last_used[candidates], self.slot_row[candidates] >= 0))
-            victims = candidates[order[:need]]
+                pinned = int(np.count_nonzero(self.pins))
+                least = pinned + all_rows.size - int(np.count_nonzero(self.pins[hit_slots]))
+                what = "staging a batch" if kind == "stage" else "a batch"
+                raise HostCacheCapacityError(
+                    f"table '{self.table}': {what} needs {need} more rows in the host cache of {self.num_slots} "
+                    f"rows, but only {candidates.size} are not pinned by batches in flight or staged; give the host "
+                    f"cache at least {least} rows ({least * self.record} bytes). Nothing changed")
+            # Free slots first, then the least recently used (argpartition: O(slots), and
+            # deterministic for the same history).
+            key = np.where(self.slot_row[candidates] >= 0, self.last_used[candidates], -1)
+            if need < candidates.size:
+                victims = candidates[np.sort(np.argpartition(key, need - 1)[:need])]
+            else:
+                victims = candidates
         else:
-            victims = np.empty(0, dtype=np.int64)
+            victims = _EMPTY
+        # Victim slots whose read is still landing (a batch staged, then unstaged before it
+        # was used): the new rows go in only after it landed.
+        slot_deps = self._pending_tickets(self._filler[victims]) if victims.size else []
         old_rows = self.slot_row[victims]
         evicted = old_rows >= 0
         wb = victims[evicted & self.dirty[victims]]
         wb_rows = self.slot_row[wb]
+        wb_records = self._records[wb]  # (a copy: the slot is reused at once)
         self.row_slot[old_rows[evicted]] = -1
-        new_rows = rows[miss]
+        new_rows = all_rows[miss]
         self.slot_row[victims] = new_rows
         self.row_slot[new_rows] = victims
         self.dirty[victims] = False
-        slots = self.row_slot[rows]
-        self.pins[slots] += 1
-        self._clock += 1
-        self.last_used[slots] = self._clock
-        self.row_hits += int(rows.size - need)
-        self.row_misses += need
+        self.valid[victims] = False
+        n_read = int(np.count_nonzero(miss[: rows.size]))
+        read_rows, read_slots = new_rows[:n_read], victims[:n_read]
+        wo_rows, wo_slots = new_rows[n_read:], victims[n_read:]
         self._seq += 1
-        ticket = DiskTicket(self._seq, slots, wb_rows, wb, new_rows, victims)
+        seq = self._seq
+        self._filler[read_slots] = seq
+        # A write-only row's slot is the caller's to fill: no earlier read may land there
+        # after it (``wait`` waits for it) nor be undone over it.
+        wo_hits = slots[rows.size:][~miss[rows.size:]]
+        if wo_hits.size:
+            slot_deps += [t for t in self._pending_tickets(self._filler[wo_hits]) if t not in slot_deps]
+            self._filler[wo_hits] = 0
+        self._filler[wo_slots] = 0
+        # The ticket's rows read from slots another ticket is still reading: ready with it.
+        deps = self._pending_tickets(self._filler[slots[: rows.size][~miss[: rows.size]]])
+        w_rows, w_records, w_orphan = [wb_rows], [wb_records], [np.ones(wb_rows.size, dtype=bool)]
+        if self._orphans:
+            if wo_rows.size:  # overwritten whole by the caller: the orphan is superseded
+                for r in wo_rows[np.isin(wo_rows, np.fromiter(self._orphans, dtype=np.int64))].tolist():
+                    del self._orphans[r]
+            if read_rows.size and self._orphans:
+                # Rows whose last write failed: written with this ticket (and read back from
+                # the patched page), dirty again until that write lands.
+                mine = read_rows[np.isin(read_rows, np.fromiter(self._orphans, dtype=np.int64))]
+                if mine.size:
+                    w_rows.append(mine)
+                    w_records.append(np.stack([self._orphans.pop(r) for r in mine.tolist()]))
+                    w_orphan.append(np.ones(mine.size, dtype=bool))
+                    self.dirty[self.row_slot[mine]] = True
+                    self.orphans_taken += int(mine.size)
+        write_rows = np.concatenate(w_rows)
+        order = np.argsort(write_rows, kind="stable")
+        pinned = self.row_slot[all_rows]
+        self.pins[pinned] += 1
+        self._clock += 1
+        self.last_used[pinned] = self._clock
+        n_hits = rows.size - n_read
+        self.row_hits += n_hits
+        self.row_misses += n_read
+        self.write_only_rows += int(wo_rows.size)
+        self.tickets += 1
+        if kind == "stage":
+            self.stages += 1
+            self.stage_rows += int(rows.size)
+            self.stage_rows_read += n_read
+        elif kind == "batch":
+            self.plan_rows_hit += n_hits
+            self.plan_rows_missed += n_read
+        if n_read:
+            self.tickets_read += 1
+            self.rows_read_per_ticket_max = max(self.rows_read_per_ticket_max, n_read)
+        ticket = DiskTicket(seq, kind, pinned, read_rows, read_slots, wo_rows, wo_slots, write_rows[order],
+                            np.concatenate(w_records)[order], np.concatenate(w_orphan)[order], deps, slot_deps)
         self.in_flight += 1
-        self._queue.put(ticket)
+        self._start(ticket)
         return ticket
 
-    # ------------------------------------------------------------------ the disk owner
-    def _move(self, ticket: DiskTicket) -> None:
-        """Reads the pages of the ticket's rows (missing and written back), patches the
-        write-backs into them and writes those pages, then fills the missing rows' slots."""
-        rpp, record = self.rows_per_page, self.record
-        wb_pages = np.unique(ticket.write_rows // rpp)
-        pages = np.unique(np.concatenate((ticket.read_rows // rpp, wb_pages)))
-        if pages.size == 0:
-            return
-        staging = aligned_buffer(pages.size * self.page_bytes)
-        r = self.file.read_pages(pages, staging)
-        self.max_requests_in_flight = max(self.max_requests_in_flight, r.requests)
-        r.wait()
-        self.pages_read += int(pages.size)
-        if ticket.write_rows.size:
-            at = np.searchsorted(pages, ticket.write_rows // rpp)
-            start = (ticket.write_rows % rpp) * record
-            staging[(at * self.page_bytes + start)[:, None] + np.arange(record)[None, :]] = \
-                self._records[ticket.write_slots]
-            sel = np.searchsorted(pages, wb_pages)
-            w = self.file.write_pages(wb_pages, staging, sel)
-            self.max_requests_in_flight = max(self.max_requests_in_flight, w.requests)
-            w.wait()
-            self.pages_written += int(wb_pages.size)
-            self.rows_written += int(ticket.write_rows.size)
+    def _start(self, ticket: DiskTicket) -> None:
+        """Sets what the ticket waits for before the owner takes it (under the lock)."""
         if ticket.read_rows.size:
-            at = np.searchsorted(pages, ticket.read_rows // rpp)
-            start = (ticket.read_rows % rpp) * record
-            idx = (at * self.page_bytes + start)[:, None] + np.arange(record)[None, :]
-            self._records[ticket.read_slots] = staging[idx]
-            self.rows_read += int(ticket.read_rows.size)
+            ticket._tasks_left = 1  # (the owner sets the real counts)
+            self._pending[ticket.seq] = ticket
+        elif ticket.write_rows.size:
+            ticket._tasks_left = 1
+            ticket._ready.set()  # (nothing to read: ready now, its writes in the background)
+        else:
+            ticket._ready.set()
+            ticket._finished.set()
 
+    def _pending_tickets(self, seqs: np.ndarray) -> List[DiskTicket]:
+        if not self._pending or seqs.size == 0:
+            return []
+        return [self._pending[s] for s in np.unique(seqs).tolist() if s in self._pending]
+
+    def _sweep(self) -> None:
+        """Drops landed tickets from ``_pending`` and unmaps the rows of failed ones (under
+        the lock), so nothing planned from now on hits a row that did not arrive."""
+        for seq in [s for s, t in self._pending.items() if t._ready.is_set()]:
+            del self._pending[seq]
+        failed, self._failed = self._failed, []
+        for t in failed:
+            self._forget(t)
+            if not t.reported and t._read_error is not None:
+                t.reported = True
+                self._unreported.append(t._read_error)
+
+    # ------------------------------------------------------------------ the disk owner
     def _run(self) -> None:
         while True:
             ticket = self._queue.get()
             if ticket is None:
                 return
             try:
-                self._move(ticket)
-            except BaseException as e:  # reported to whoever waits for this ticket
-                ticket._error = e
-            finally:
-                ticket._done.set()
+                self._issue(ticket)
+            except BaseException as e:  # (nothing submitted: reported to whoever waits for it)
+                for run in ticket._runs:
+                    self._end_run(ticket, run, e)
+                if not ticket._runs:
+                    self._end_run(ticket, None, e)
+                with self._lock:
+                    ticket._tasks_left = 0
+                self._finish(ticket, 0)
 
+    def _issue(self, ticket: DiskTicket) -> None:
+        """Turns the ticket into page requests (``_Run``) following the earlier writes of
+        their pages, and puts them on the file's I/O pool."""
+        if len(self._last_write) > 4096 and ticket.seq % 64 == 0:
+            self._prune_writes(ticket.seq)
+        runs = ticket._runs = []
+        self._runs_of(ticket, runs)
+        ticket._reads_left = sum(1 for r in runs if r.r1 > r.r0)
+        # Once per ticket (two ``stat`` calls): a file truncated or replaced under the job is
+        # found before anything is read from it or written to it.
+        self.file.check_identity()
+        threads = self.file.io_threads
+        shares = [runs[i::threads] for i in range(min(threads, len(runs)))]
+        ticket._tasks_left = len(shares)
+        if ticket._reads_left == 0:
+            ticket._ready.set()
+        for share in shares:
+            self.file.submit(self._do_share, ticket, share)
+
+    def _prune_writes(self, seq: int) -> None:
+        """Forgets the page writes that ended and that no ticket from ``seq`` on follows
+        (the owner only)."""
+        self._last_write = {p: w for p, w in self._last_write.items()
+                            if not w.event.is_set() or (w.failed_seq is not None and seq <= w.failed_seq)}
+
+    def _runs_of(self, ticket: DiskTicket, runs: List[_Run]) -> None:
+        """The ticket's requests, into ``runs``: runs of consecutive pages alike (read or
+        not, written or not), each following the earlier writes of its pages (the owner
+        only: it alone keeps ``_last_write``)."""
+        rpp = self.rows_per_page
+        rp = ticket.read_rows // rpp
+        wp = ticket.write_rows // rpp
+        pages = np.union1d(rp, wp)
+        if pages.size == 0:
+            return
+        wpages, wcount = np.unique(wp, return_counts=True)
+        at_w = np.searchsorted(pages, wpages)
+        writes = np.zeros(pages.size, dtype=bool)
+        writes[at_w] = True
+        full = np.zeros(pages.size, dtype=bool)
+        full[at_w] = wcount >= np.minimum(rpp, self.num_rows - wpages * rpp)
+        read = ~full  # (a page whose every row is overwritten is not read)
+        self.pages_not_read += int(np.count_nonzero(full))
+        brk = np.flatnonzero((np.diff(pages) != 1) | (read[1:] != read[:-1]) | (writes[1:] != writes[:-1])) + 1
+        starts = np.concatenate(([0], brk)).tolist()
+        ends = np.concatenate((brk, [pages.size])).tolist()
+        ticket._staging = aligned_buffer(pages.size * self.page_bytes)
+        most = self.file.max_run_pages
+        for s, e in zip(starts, ends):
+            for a in range(s, e, most):
+                b = min(e, a + most)
+                first, last = int(pages[a]), int(pages[b - 1]) + 1
+                after: List[_PageWrite] = []
+                for p in range(first, last):
+                    pw = self._last_write.get(p)
+                    if pw is None:
+                        continue
+                    if not pw.event.is_set() or (pw.failed_seq is not None and ticket.seq <= pw.failed_seq):
+                        after.append(pw)
+                    else:
+                        del self._last_write[p]  # (ended, and nothing issued from now on needs it)
+                write = _PageWrite() if writes[a] else None
+                if write is not None:
+                    for p in range(first, last):
+                        self._last_write[p] = write
+                runs.append(_Run(first, a, b - a, bool(read[a]),
+                                 int(np.searchsorted(rp, first)), int(np.searchsorted(rp, last)),
+                                 int(np.searchsorted(wp, first)), int(np.searchsorted(wp, last)), after, write))
+
+    def _page_view(self, staging: np.ndarray) -> np.ndarray:
+        """The staging's pages as ``[pages, rows_per_page, record]`` (a view)."""
+        n = staging.size // self.page_bytes
+        return np.lib.stride_tricks.as_strided(staging, (n, self.rows_per_page, self.record),
+                                               (self.page_bytes, self.record, 1), writeable=True)
+
+    def _do_share(self, ticket: DiskTicket, runs: List[_Run]) -> None:
+        for run in runs:
+            error: Optional[BaseException] = None
+            try:
+                self._do_run(ticket, run)
+            except BaseException as e:  # (reported through the ticket)
+                error = e
+            self._end_run(ticket, run, error)
+        self._finish(ticket, 1)
+
+    def _do_run(self, ticket: DiskTicket, run: _Run) -> None:
+        """One request: (read) -> patch the write records in -> copy the read rows out ->
+        (write). The copy precedes the write, so an orphan's row is in DRAM (dirty) even if
+        its write fails again."""
+        for pw in run.after:
+            pw.event.wait()  # (an earlier request, started before this one: first in, first out)
+            if pw.failed_seq is not None and ticket.seq <= pw.failed_seq and run.r1 > run.r0:
+                raise DiskTierError(f"table '{self.table}': disk tier file {self.file.path}: rows of page "
+                                    f"{run.first} cannot be read, an earlier write of the page failed")
+        staging = ticket._staging
+        assert staging is not None
+        if run.read:
+            self.file.read_run(staging, run.first, run.at, run.count)
+        view = self._page_view(staging)
+        rpp = self.rows_per_page
+        if run.w1 > run.w0:
+            wr = ticket.write_rows[run.w0: run.w1]
+            view[run.at + wr // rpp - run.first, wr % rpp] = ticket.write_records[run.w0: run.w1]
+        if run.r1 > run.r0:
+            for d in ticket.slot_deps:
+                d._ready.wait()
+            rr = ticket.read_rows[run.r0: run.r1]
+            slots = ticket.read_slots[run.r0: run.r1]
+            self._records[slots] = view[run.at + rr // rpp - run.first, rr % rpp]
+            self.valid[slots] = True
+            from_file = rr.size - (int(np.count_nonzero(np.isin(rr, ticket.write_rows[run.w0: run.w1])))
+                                   if run.w1 > run.w0 else 0)
+            with self._lock:
+                self.rows_read += from_file
+                ticket._reads_left -= 1
+                if ticket._reads_left == 0 and ticket._read_error is None:
+                    ticket._ready.set()
+        if run.w1 > run.w0:
+            self.file.write_run(staging, run.first, run.at, run.count)
+            with self._lock:
+                self.rows_written += run.w1 - run.w0
+
+    def _end_run(self, ticket: DiskTicket, run: Optional[_Run], error: Optional[BaseException]) -> None:
+        """After a request: on failure, its dirty records become orphans (kept in DRAM) and
+        the failure goes to the ticket; its write is marked ended (so that what follows it
+        may go), failed or not."""
+        if error is None:
+            if run is not None and run.write is not None:
+                run.write.event.set()
+            return
+        with self._lock:
+            w0, w1 = (0, ticket.write_rows.size) if run is None else (run.w0, run.w1)
+            if w1 > w0:
+                self.write_failures += 1
+                rows = ticket.write_rows[w0:w1]
+                keep = ticket.write_orphan[w0:w1]
+                for i in np.flatnonzero(keep).tolist():
+                    row = int(rows[i])
+                    slot = self.row_slot[row]
+                    # A row cached again since, by a write-only prefetch, has a newer value
+                    # there; by a read, that read follows this write and fails with it.
+                    if slot < 0 or self._filler[slot] != 0:
+                        self._orphans[row] = ticket.write_records[w0 + i].copy()
+            reads = run is None or run.r1 > run.r0
+            if reads:
+                if ticket._read_error is None:
+                    ticket._read_error = error
+                if run is not None:
+                    ticket._reads_left -= 1
+            elif ticket._write_error is None:
+                ticket._write_error = error
+            if run is not None and run.write is not None:
+                run.write.failed_seq = self._seq
+        if run is not None and run.write is not None:
+            run.write.event.set()
+
+    def _finish(self, ticket: DiskTicket, tasks: int) -> None:
+        with self._lock:
+            ticket._tasks_left -= tasks
+            if ticket._tasks_left > 0:
+                return
+            ticket._staging = None
+            ticket._runs = []
+            if ticket._read_error is not None:
+                self._failed.append(ticket)
+            if ticket._write_error is not None and ticket.kind != "flush":
+                self._unreported.append(ticket._write_error)
+        ticket._ready.set()
+        ticket._finished.set()
+
+    # ------------------------------------------------------------------ waiting
     def wait(self, ticket: DiskTicket) -> None:
-        """Returns once the ticket's rows are in DRAM; raises its I/O error (the rows it was
-        to read are then unmapped, so nothing reads what did not arrive)."""
-        ticket._done.wait()
-        if ticket._error is not None:
+        """Returns once the ticket's rows are in DRAM. Raises its read error (the rows it
+        was to read are then unmapped, so nothing reads what did not arrive) - or a fault of
+        earlier moves not raised yet (a failed write, a failed read of a batch staged and
+        never waited). Either way the ticket's rows are as if it had not been made, bar its
+        pins (``release`` it)."""
+        ticket._ready.wait()
+        for d in ticket.slot_deps:
+            d._ready.wait()
+        for d in ticket.deps:
+            d._ready.wait()
+        error: Optional[BaseException] = ticket._read_error
+        failed = [d for d in ticket.deps if d._read_error is not None]
+        with self._lock:
+            if error is None and failed:
+                cause = failed[0]._read_error
+                error = DiskTierError(str(cause))
+                error.__cause__ = cause
+            if error is None and self._unreported:
+                error = self._unreported.pop(0)
+            if error is None:
+                return
+            ticket.reported = True
+            for d in failed:
+                d.reported = True
+                self._forget(d)
             self._forget(ticket)
-            raise ticket._error
+        raise error
 
     def _forget(self, ticket: DiskTicket) -> None:
-        gone = ticket.read_slots[self.slot_row[ticket.read_slots] == ticket.read_rows]
-        self.row_slot[self.slot_row[gone]] = -1
-        self.slot_row[gone] = -1
+        """Unmaps the rows the ticket was to bring and did not (reads it made, write-only
+        slots nobody wrote) - only where the slot is still theirs (under the lock)."""
+        s = ticket.read_slots
+        if s.size:
+            gone = s[(self._filler[s] == ticket.seq) & (self.slot_row[s] == ticket.read_rows)]
+            self._unmap(gone)
+        s = ticket.wo_slots
+        if s.size:
+            self._unmap(s[(self.slot_row[s] == ticket.wo_rows) & ~self.valid[s]])
+
+    def _unmap(self, slots: np.ndarray) -> None:
+        if slots.size:
+            self.row_slot[self.slot_row[slots]] = -1
+            self.slot_row[slots] = -1
+            self.dirty[slots] = False
+            self.valid[slots] = False
+            self._filler[slots] = 0
 
     def release(self, ticket: DiskTicket) -> None:
         """Unpins the ticket's rows (idempotent)."""
-        if ticket.released:
-            return
-        ticket.released = True
-        self.pins[ticket.pinned_slots] -= 1
-        self.in_flight -= 1
+        with self._lock:
+            if ticket.released:
+                return
+            ticket.released = True
+            self.pins[ticket.pinned_slots] -= 1
+            self.in_flight -= 1
 
     # ------------------------------------------------------------------ rows
-    def _where(self, rows: torch.Tensor) -> torch.Tensor:
+    def _where(self, rows: torch.Tensor, reading: bool) -> torch.Tensor:
         r = rows.to(torch.int64).numpy()
         slots = self.row_slot[r]
         if slots.size and slots.min() < 0:
             missing = int(r[np.argmin(slots)])
             raise StoreStateError(f"table '{self.table}': row {missing} is not in the host cache; prefetch and wait "
                                   f"for its batch first")
+        if reading and slots.size and not self.valid[slots].all():
+            missing = int(r[np.argmin(self.valid[slots])])
+            raise StoreStateError(f"table '{self.table}': row {missing} is in the host cache but its value has not "
+                                  f"arrived (a write target not written yet)")
         return torch.from_numpy(slots)
 
     def gather(self, rows: torch.Tensor) -> List[torch.Tensor]:
         """The records of ``rows`` (in DRAM: pinned by a waited ticket), per component."""
-        slots = self._where(rows)
+        slots = self._where(rows, reading=True)
         return [v.index_select(0, slots) for v in self.views]
 
     def scatter(self, rows: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
         """Writes the records of ``rows`` (in DRAM), per component; they become dirty."""
-        slots = self._where(rows)
+        slots = self._where(rows, reading=False)
         for v, val in zip(self.views, values):
             v.index_copy_(0, slots, val.reshape(val.shape[0], -1).to(v.dtype))
-        self.dirty[slots.numpy()] = True
+        s = slots.numpy()
+        self.valid[s] = True
+        self.dirty[s] = True
 
     def write_rows(self, rows: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
         """Writes whole records through the cache, in chunks that fit it (e.g. a table's
-        initial values, streamed in: never the whole table in DRAM at once)."""
+        initial values, streamed in: never the whole table in DRAM at once, and nothing read
+        from the file)."""
         rows = rows.to(torch.int64)
-        chunk = max(1, (self.num_slots - int(self.pins.astype(bool).sum())) // 2)
+        chunk = max(1, (self.num_slots - int(np.count_nonzero(self.pins))) // 2)
         for start in range(0, rows.shape[0], chunk):
             part = rows[start: start + chunk]
-            ticket = self.prefetch(part.numpy())
+            ticket = self.prefetch(_EMPTY, part.numpy(), kind="bulk")
             try:
                 self.wait(ticket)
                 self.scatter(part, [v[start: start + chunk] for v in values])
@@ -297,10 +689,10 @@ class DiskHostTier:
         unless asked for it."""
         rows = rows.to(torch.int64)
         out = [torch.empty(rows.shape[0], c.width, dtype=c.dtype) for c in self.components]
-        chunk = max(1, (self.num_slots - int(self.pins.astype(bool).sum())) // 2)
+        chunk = max(1, (self.num_slots - int(np.count_nonzero(self.pins))) // 2)
         for start in range(0, rows.shape[0], chunk):
             part = rows[start: start + chunk]
-            ticket = self.prefetch(part.numpy())
+            ticket = self.prefetch(part.numpy(), kind="bulk")
             try:
                 self.wait(ticket)
                 for o, v in zip(out, self.gather(part)):
@@ -311,19 +703,34 @@ class DiskHostTier:
 
     # ------------------------------------------------------------------ whole tier
     def flush(self) -> None:
-        """Writes every dirty row to the file, behind every queued ticket (they are clean
-        afterwards)."""
-        slots = np.flatnonzero(self.dirty & (self.slot_row >= 0))
-        rows = self.slot_row[slots]
-        order = np.argsort(rows)
-        self.dirty[slots] = False
-        empty = np.empty(0, dtype=np.int64)
-        ticket = DiskTicket(0, empty, rows[order], slots[order], empty, empty, released=True)
-        self._queue.put(ticket)
-        ticket._done.wait()
-        if ticket._error is not None:
-            self.dirty[slots] = True
-            raise ticket._error
+        """Writes every dirty row, and every orphan, to the file, behind every queued ticket
+        (they are clean afterwards). Raises a fault of earlier moves not raised yet, or its
+        own; the rows it did not write stay dirty (orphans stay orphans)."""
+        with self._lock:
+            self._sweep()
+            if self._unreported:
+                raise self._unreported.pop(0)
+            slots = np.flatnonzero(self.dirty & (self.slot_row >= 0))
+            rows = self.slot_row[slots]
+            orphans = np.fromiter(self._orphans, dtype=np.int64, count=len(self._orphans))
+            records = [self._records[slots]] + ([np.stack([self._orphans.pop(r) for r in orphans.tolist()])]
+                                                if orphans.size else [])
+            write_rows = np.concatenate((rows, orphans))
+            if write_rows.size == 0:
+                return
+            order = np.argsort(write_rows, kind="stable")
+            keep = np.concatenate((np.zeros(rows.size, dtype=bool), np.ones(orphans.size, dtype=bool)))
+            self.dirty[slots] = False
+            self._seq += 1
+            ticket = DiskTicket(self._seq, "flush", _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, write_rows[order],
+                                np.concatenate(records)[order], keep[order], released=True, reported=True)
+            self._start(ticket)
+            self._queue.put(ticket)
+        ticket._finished.wait()
+        if ticket._write_error is not None:
+            with self._lock:
+                self.dirty[slots[self.slot_row[slots] == rows]] = True
+            raise ticket._write_error
 
     def check_invariants(self, expect_drained: bool = False) -> None:
         problems = []
@@ -334,18 +741,52 @@ class DiskHostTier:
             problems.append("rows mapped to free slots")
         if (self.pins < 0).any():
             problems.append("negative pins")
+        if (self.dirty & ~self.valid & (self._filler == 0)).any():  # (an orphan's read may be landing)
+            problems.append("dirty slots without their value")
+        if self._orphans and (self.row_slot[np.fromiter(self._orphans, dtype=np.int64)] >= 0).any():
+            problems.append("orphan rows also cached")
         if expect_drained and (self.pins.any() or self.in_flight):
             problems.append(f"{int(self.pins.astype(bool).sum())} slots pinned, {self.in_flight} tickets in flight")
         if problems:
             raise StoreStateError(f"table '{self.table}' host cache: " + "; ".join(problems))
 
-    def stats(self) -> Dict[str, int]:
+    def stats(self) -> Dict[str, float]:
+        """Counters since creation (or ``reset_stats``); every one a count of what was done,
+        never a time:
+
+        * ``rows_read`` / ``pages_read`` / ``read_requests`` / ``bytes_read``: rows that came
+          from the file, the pages and requests that brought them (and the pages the
+          read-modify-writes read); ``rows_written`` / ``pages_written`` /
+          ``write_requests`` / ``bytes_written`` likewise;
+        * ``reads_in_flight_max`` / ``reads_in_flight_mean``: reads in flight at most, and on
+          average as each read started (``max_requests_in_flight``: the same maximum);
+        * ``tickets``, ``tickets_read`` (those that read), ``rows_read_per_ticket_max`` /
+          ``rows_read_per_ticket_mean`` (rows a ticket asked the file for);
+        * ``row_hits`` / ``row_misses``: rows to read found in DRAM or not;
+          ``write_only_rows``: rows given a slot with no read (overwritten whole);
+          ``pages_not_read``: written pages whose every row was overwritten (no read);
+        * ``stages`` / ``stage_rows`` / ``stage_rows_read``: batches staged ahead, their rows,
+          the rows they read; ``plan_rows_hit`` / ``plan_rows_missed``: a planned batch's rows
+          to read already in DRAM or on their way (read ahead) / read by the plan itself;
+        * ``orphan_rows`` (now), ``orphans_taken``, ``write_failures``."""
+        f = self.file
         return {"rows_read": self.rows_read, "rows_written": self.rows_written, "row_hits": self.row_hits,
-                "row_misses": self.row_misses, "pages_read": self.pages_read, "pages_written": self.pages_written,
-                "max_requests_in_flight": self.max_requests_in_flight, "bytes_read": self.file.bytes_read}
+                "row_misses": self.row_misses, "pages_read": f.pages_read, "pages_written": f.pages_written,
+                "read_requests": f.reads, "write_requests": f.writes, "bytes_read": f.bytes_read,
+                "bytes_written": f.bytes_written, "reads_in_flight_max": f.reads_in_flight_max,
+                "reads_in_flight_mean": f.reads_in_flight_mean, "max_requests_in_flight": f.reads_in_flight_max,
+                "tickets": self.tickets, "tickets_read": self.tickets_read,
+                "rows_read_per_ticket_max": self.rows_read_per_ticket_max,
+                "rows_read_per_ticket_mean": self.row_misses / self.tickets_read if self.tickets_read else 0.0,
+                "write_only_rows": self.write_only_rows, "pages_not_read": self.pages_not_read,
+                "stages": self.stages, "stage_rows": self.stage_rows, "stage_rows_read": self.stage_rows_read,
+                "plan_rows_hit": self.plan_rows_hit, "plan_rows_missed": self.plan_rows_missed,
+                "orphan_rows": len(self._orphans), "orphans_taken": self.orphans_taken,
+                "write_failures": self.write_failures}
 
     def close(self, remove: bool = True) -> None:
-        """Stops the disk owner (after what is queued) and closes the file."""
+        """Stops the disk owner (after what is queued) and closes the file (after what is
+        in flight)."""
         if self._worker.is_alive():
             self._queue.put(None)
             self._worker.join()

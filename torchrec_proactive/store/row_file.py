@@ -9,15 +9,20 @@ what keeps the page cache from faking an SSD. Where the filesystem refuses ``O_D
 (tmpfs, some overlays) the file is opened buffered and ``o_direct`` / ``fallback_reason``
 say so; nothing else changes.
 
-I/O. ``os.preadv`` / ``os.pwritev`` at explicit offsets release the GIL, so a pool of threads
-keeps many reads in flight - a random 4 KiB read costs ~100 us on NVMe and several hundred
-here, and only many in flight reach the disk's reads/s. Runs of consecutive pages go as
-one request. :meth:`RowFile.read_pages` / :meth:`RowFile.write_pages` return an
-:class:`IOBatch` at once; its ``wait`` raises the first failure.
+I/O. ``os.preadv`` / ``os.pwritev`` at explicit offsets release the GIL, so a pool of
+``io_threads`` threads (default 64) keeps that many requests in flight - a random 4 KiB read
+costs ~100 us on NVMe and several hundred here, and only ~64 in flight reach the disk's
+reads/s. Runs of consecutive pages go as one request. :meth:`RowFile.read_pages` /
+:meth:`RowFile.write_pages` return an :class:`IOBatch` at once; its ``wait`` raises the
+first failure. :meth:`RowFile.read_run` / :meth:`RowFile.write_run` / :meth:`RowFile.submit`
+are the same requests one at a time, for a caller that orders them itself (the host cache).
+Counters: requests, pages and bytes moved, and reads in flight (``reads_in_flight_max``; the
+mean, over reads, of the reads in flight when one starts: ``reads_in_flight_mean``).
 
 Faults are :class:`DiskTierError` naming the table, the file and what happened: a directory
 that cannot hold the file, a full disk, a short read, a file truncated or replaced under the
-job (checked against the identity the file had when opened).
+job (checked against the identity the file had when opened: ``check_identity``, two
+``stat`` calls, made once per batch of requests and again to explain a short read).
 
 The order of moves is not this module's business: the store's one owner of data moves
 issues reads and writes so that a page is written before any later read of it.
@@ -131,13 +136,14 @@ class RowFile:
             when missing; an existing file of the wrong size is refused.
         num_rows / row_bytes: the shard's rows and the bytes of one row's record.
         table: the table's name, for messages.
-        io_threads: reads and writes in flight at most (the pool's size).
+        io_threads: reads and writes in flight at most (the pool's size; default 64, what
+            this machine's disk needs for its reads/s).
         direct: try ``O_DIRECT`` (default); ``o_direct`` says whether it was obtained.
         max_run_pages: the longest run of pages one request moves.
     """
 
     def __init__(self, path: os.PathLike | str, num_rows: int, row_bytes: int, table: str,
-                 io_threads: int = 16, direct: bool = True, max_run_pages: int = 32) -> None:
+                 io_threads: int = 64, direct: bool = True, max_run_pages: int = 32) -> None:
         self.path = Path(path)
         self.table = table
         self.num_rows = int(num_rows)
@@ -165,6 +171,11 @@ class RowFile:
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=f"rowfile-{table}")
         self._lock = threading.Lock()
         self.reads = self.writes = self.bytes_read = self.bytes_written = 0
+        self.pages_read = self.pages_written = 0
+        # Reads in flight: now, at most, and summed over reads as each starts (for the mean).
+        self._reads_now = 0
+        self.reads_in_flight_max = 0
+        self._reads_in_flight_sum = 0
 
     # ------------------------------------------------------------------ set-up
     def _error(self, what: str, cause: Optional[BaseException] = None) -> DiskTierError:
@@ -224,14 +235,17 @@ class RowFile:
     def check_identity(self) -> None:
         """Raises if the file under ``path`` was replaced, removed or truncated since it was
         opened (a write would go to a file nobody reads, a read would return short)."""
+        if self._fd < 0:
+            raise self._error("is closed")
         try:
             st = os.stat(self.path)
         except FileNotFoundError as e:
             raise self._error("was removed under the running job", e) from e
         if (st.st_dev, st.st_ino) != self._identity:
             raise self._error("was replaced under the running job (another file has its name now)")
-        if os.fstat(self._fd).st_size < self.size:
-            raise self._error(f"was truncated under the running job ({os.fstat(self._fd).st_size} of {self.size} bytes)")
+        size = os.fstat(self._fd).st_size
+        if size < self.size:
+            raise self._error(f"was truncated under the running job ({size} of {self.size} bytes)")
 
     def _check_pages(self, pages: np.ndarray) -> np.ndarray:
         pages = np.asarray(pages, dtype=np.int64)
@@ -246,20 +260,50 @@ class RowFile:
         pb = self.layout.page_bytes
         return memoryview(buffer[at * pb: (at + count) * pb])
 
-    def _read_run(self, buffer: np.ndarray, first: int, at: int, count: int) -> None:
+    @property
+    def reads_in_flight_mean(self) -> float:
+        """Mean, over the reads made, of the reads in flight as each started (itself included)."""
+        return self._reads_in_flight_sum / self.reads if self.reads else 0.0
+
+    def read_run(self, buffer: np.ndarray, first: int, at: int, count: int) -> None:
+        """Reads pages ``[first, first + count)`` into pages ``[at, at + count)`` of ``buffer``
+        (an ``aligned_buffer``), on the calling thread: one request. Raises
+        ``DiskTierError`` for a failed or short read (a short one names a truncation or a
+        replacement of the file when ``check_identity`` finds one)."""
         want = count * self.layout.page_bytes
         offset = first * self.layout.page_bytes
+        with self._lock:
+            self._reads_now += 1
+            self.reads_in_flight_max = max(self.reads_in_flight_max, self._reads_now)
+            self._reads_in_flight_sum += self._reads_now
         try:
             got = os.preadv(self._fd, [self._views(buffer, at, count)], offset)
         except OSError as e:
             raise self._error(f"read failed at byte {offset} ({want} bytes): {e.strerror}", e) from e
+        finally:
+            with self._lock:
+                self._reads_now -= 1
+                self.reads += 1
         if got != want:
+            self.check_identity()  # (names what happened to the file, when it can be seen)
             raise self._error(f"short read at byte {offset}: {got} of {want} bytes (truncated under the running job?)")
         with self._lock:
-            self.reads += 1
             self.bytes_read += want
+            self.pages_read += count
 
-    def _write_run(self, buffer: np.ndarray, first: int, at: int, count: int) -> None:
+    def submit(self, fn: Callable[..., None], *args: object) -> "Future[None]":
+        """Runs ``fn(*args)`` on the I/O pool (first in, first started)."""
+        if self._pool is None:
+            raise self._error("is closed")
+        return self._pool.submit(fn, *args)
+
+    @property
+    def io_threads(self) -> int:
+        return self._threads
+
+    def write_run(self, buffer: np.ndarray, first: int, at: int, count: int) -> None:
+        """Writes pages ``[at, at + count)`` of ``buffer`` to pages ``[first, first + count)``,
+        on the calling thread: one request. Raises ``DiskTierError`` (a full disk says so)."""
         want = count * self.layout.page_bytes
         offset = first * self.layout.page_bytes
         try:
@@ -272,6 +316,7 @@ class RowFile:
         with self._lock:
             self.writes += 1
             self.bytes_written += want
+            self.pages_written += count
 
     def _submit(self, work: Callable[[np.ndarray, int, int, int], None], pages: np.ndarray,
                 buffer: np.ndarray, slots: Optional[np.ndarray] = None) -> IOBatch:
@@ -302,13 +347,13 @@ class RowFile:
                    slots: Optional[Sequence[int] | np.ndarray] = None) -> IOBatch:
         """Reads ``pages`` (sorted, unique) into ``buffer`` (an ``aligned_buffer``): page i
         into its page ``slots[i]`` (default: consecutive pages), all in flight at once."""
-        return self._submit(self._read_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
+        return self._submit(self.read_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
 
     def write_pages(self, pages: Sequence[int] | np.ndarray, buffer: np.ndarray,
                     slots: Optional[Sequence[int] | np.ndarray] = None) -> IOBatch:
         """Writes pages of ``buffer`` (``slots[i]``, default consecutive) to ``pages``
         (sorted, unique)."""
-        return self._submit(self._write_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
+        return self._submit(self.write_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
 
     def close(self, remove: bool = True) -> None:
         """Ends the I/O (waiting for what is in flight) and, by default, removes the file:
@@ -318,8 +363,16 @@ class RowFile:
             pool.shutdown(wait=True)
         fd, self._fd = getattr(self, "_fd", -1), -1
         if fd >= 0:
-            os.close(fd)
+            # Only our own file is removed: one put in its place under the job is not ours.
+            ours = False
             if remove:
+                try:
+                    st = os.stat(self.path)
+                    ours = (st.st_dev, st.st_ino) == getattr(self, "_identity", None)
+                except OSError:
+                    pass
+            os.close(fd)
+            if ours:
                 self._unlink()
 
     def __enter__(self) -> "RowFile":

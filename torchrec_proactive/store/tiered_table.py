@@ -58,7 +58,7 @@ from .plan import FetchPlan
 from .row_file import RowFile
 from .row_moves import device_alias, move_rows_
 
-__all__ = ["FetchPlan", "Segment", "TableStats", "TieredTable", "load_factor_advice", "load_factor_text",
+__all__ = ["FetchPlan", "Segment", "Stage", "TableStats", "TieredTable", "load_factor_advice", "load_factor_text",
            "unique_rows"]
 
 #: The planners a table can use (``TieredTable(planner=...)``).
@@ -88,6 +88,19 @@ class TableStats:
         d = dict(self.__dict__)
         d["hit_rate"] = self.hit_rate()
         return d
+
+
+@dataclass(eq=False)
+class Stage:
+    """A future batch's rows pinned in a table's host cache, their disk reads queued
+    (``TieredTable.stage_rows``); ``TieredTable.unstage`` drops it. ``rows``: rows staged
+    (those the device cache held are left out); ``ticket``: the disk tier's (None off
+    disk)."""
+
+    table: str
+    rows: int
+    ticket: Optional[Any] = None
+    released: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,7 +160,9 @@ class TieredTable:
             ``host_weight`` is a ``meta`` tensor giving only the shape and dtype. Each batch
             plan queues the disk moves of its rows when it is made, so they run while the
             batches before it train (the disk hop is as many batches ahead as the plan);
-            its fills wait for them. Host planner, CPU device.
+            its fills wait for them, its write-backs need no read. :meth:`stage_rows` reads
+            a batch's rows further ahead still (the disk hop's own depth). Host planner,
+            CPU device.
 
     Attributes a user reads: ``planner`` (``HostPlanner`` or ``DevicePlanner``: the
     bookkeeping, and the device planner's ``bad_ids`` / ``skipped_updates`` counts),
@@ -285,11 +300,14 @@ class TieredTable:
     @classmethod
     def on_disk(cls, name: str, num_rows: int, dim: int, optimizer: OptimizerConfig, num_slots: int,
                 directory: str | Path, host_cache_bytes: int, initial_weight: Optional[torch.Tensor] = None,
-                dtype: torch.dtype = torch.float32, io_threads: int = 16, **kwargs: Any) -> "TieredTable":
+                dtype: torch.dtype = torch.float32, io_threads: int = 64, **kwargs: Any) -> "TieredTable":
         """A table whose rows live in a file under ``directory`` (``<name>.rows``, removed
         at :meth:`close`), served through a host cache of ``host_cache_bytes`` and a device
         cache of ``num_slots`` rows. ``initial_weight`` (``[num_rows, dim]``, streamed in;
-        default zeros) and zero optimizer state are written to the file first."""
+        default zeros) and zero optimizer state are written to the file first.
+        ``io_threads``: disk requests in flight at most (this machine's disk reaches its
+        reads/s with about 64). A directory that cannot hold the file is one
+        ``DiskTierError`` naming the table and the file."""
         components = [Component("weight", dtype, dim)] + [
             Component(key, torch.float32, int(np.prod(shape)) if len(shape) else 1)
             for key, shape in optimizer.state_shapes(dim).items()]
@@ -474,21 +492,52 @@ class TieredTable:
         self._in_flight += 1
         if self.disk is not None:
             try:
-                plan.disk_ticket = self.disk.prefetch(self._disk_rows(plan))
+                plan.disk_ticket = self.disk.prefetch(*self._disk_rows(plan))
             except BaseException:
                 self.rollback(plan)
                 self.release(plan)
                 raise
         return plan
 
-    def _disk_rows(self, plan: FetchPlan) -> np.ndarray:
-        """The rows the plan reads or writes in the host tier: its fills, its write-backs,
-        its overflow rows."""
+    def _disk_rows(self, plan: FetchPlan) -> Tuple[np.ndarray, np.ndarray]:
+        """The rows the plan reads in the host tier (its fills, its overflow rows) and those
+        it only writes whole (its write-backs: no read from the file)."""
         _, nf, nwb, no = plan.resolve_sizes()
-        parts = [plan.fill_rows.narrow(0, 0, nf), plan.writeback_rows.narrow(0, 0, nwb)]
+        parts = [plan.fill_rows.narrow(0, 0, nf)]
         if plan.overflow_rows is not None:
             parts.append(plan.overflow_rows.narrow(0, 0, no))
-        return torch.cat([p.to("cpu", torch.int64) for p in parts]).numpy()
+        reads = torch.cat([p.to("cpu", torch.int64) for p in parts]).numpy()
+        return reads, plan.writeback_rows.narrow(0, 0, nwb).to("cpu", torch.int64).numpy()
+
+    def stage_rows(self, rows: torch.Tensor | np.ndarray, skip_cached: bool = True) -> "Stage":
+        """Stages a future batch: pins its ``rows`` (store rows, any order, duplicates
+        allowed) in the host cache and queues their disk reads now, so that the disk hop
+        runs further ahead than the host->device hop. Plan the batch later (its disk moves
+        then find the rows read or on their way) and :meth:`unstage` after planning it.
+
+        Staging changes only which rows are where, never a value: the table trains
+        bit-identically whatever is staged, and a stage never unstaged only holds host
+        cache. ``skip_cached``: rows the device cache holds now are not staged (their fill,
+        should they be evicted before the plan, is read at plan time). Off disk it does
+        nothing. Raises ``CacheCapacityError``, changing nothing, when the host cache cannot
+        hold the rows beside those pinned by batches in flight and staged (one line: the
+        table, the rows needed, the host cache it would take)."""
+        r = rows.to("cpu", torch.int64).numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows, np.int64)
+        r = np.unique(r.reshape(-1))
+        if r.size:
+            self.validate_rows(torch.from_numpy(r[[0, -1]]))
+        if self.disk is None:
+            return Stage(self.name, int(r.size), None)
+        if skip_cached and r.size and not self.holds_every_row:
+            r = r[self.planner.row_to_slot.numpy()[r] < 0]
+        return Stage(self.name, int(r.size), self.disk.prefetch(r, kind="stage"))
+
+    def unstage(self, stage: "Stage") -> None:
+        """Drops a stage's pins (idempotent). Its rows stay in the host cache until evicted;
+        reads still landing land first."""
+        if stage.ticket is not None and not stage.released and self.disk is not None:
+            self.disk.release(stage.ticket)
+        stage.released = True
 
     def _disk_ready(self, plan: FetchPlan) -> None:
         """Waits until the plan's rows are in the host cache (a plan made without disk moves
@@ -496,7 +545,7 @@ class TieredTable:
         if self.disk is None:
             return
         if plan.disk_ticket is None:
-            plan.disk_ticket = self.disk.prefetch(self._disk_rows(plan))
+            plan.disk_ticket = self.disk.prefetch(*self._disk_rows(plan))
         self.disk.wait(plan.disk_ticket)
 
     def _disk_release(self, plan: FetchPlan, keep_overflow: bool = False) -> None:
