@@ -10,7 +10,7 @@ import re
 from typing import Any, Callable, List
 
 __all__ = ["SHARDINGS", "HelpFormatter", "plain_text", "int_at_least", "float_above", "float_at_least", "float_in",
-           "comma_list", "checked"]
+           "comma_list", "checked", "depth_pairs"]
 
 #: ``planning.SHARDING_TYPES`` + ``auto`` (kept here so that ``--help`` and usage errors need
 #: no TorchRec import; tests/test_bench_cli.py checks that the two agree).
@@ -101,3 +101,17 @@ def comma_list(item: Callable[[str], Any], kind: str) -> Callable[[str], List[An
         return [item(x.strip()) for x in items]
 
     return parse
+
+
+def _depth_pair(s: str) -> tuple:
+    k, _, kd = s.partition(":")
+    pair = (int(k), int(kd) if kd else int(k))
+    if pair[0] < 1 or pair[1] < pair[0]:
+        raise ValueError(s)
+    return pair
+
+
+#: ``--ssd-depths``: ``K:KD`` items (host->device depth K >= 1, disk depth KD >= K; ``K``
+#: alone is ``K:K``).
+depth_pairs = comma_list(checked("K:KD with 1 <= K <= KD", lambda v: True, _depth_pair),
+                         "K:KD pairs with 1 <= K <= KD")

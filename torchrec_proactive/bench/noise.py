@@ -28,7 +28,7 @@ import math
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["add_noise", "within_noise", "paired_rounds", "paired_ratio", "format_ratio", "no_verdict",
+__all__ = ["add_noise", "rate_interval", "within_noise", "paired_rounds", "paired_ratio", "format_ratio", "no_verdict",
            "noise_verdicts", "sweep_warnings", "MIN_PAIRED_ROUNDS"]
 
 _Z95 = 1.959964
@@ -70,12 +70,21 @@ def add_noise(c: Dict[str, Any], samples_per_step: int) -> None:
     rate = lambda ms: samples_per_step / (ms / 1e3)  # noqa: E731
     rounds = [rate(_interquartile_mean(r)) for r in per_round]
     c["samples_per_s_rounds"] = rounds
-    if len(rounds) < MIN_PAIRED_ROUNDS:
+    interval = rate_interval(c["samples_per_s"], rounds)
+    if interval is None:
         return  # no interval: see the module
+    c["samples_per_s_interval"] = interval
+    c["noise_pct"] = 100 * (interval[1] - interval[0]) / 2 / c["samples_per_s"]
+
+
+def rate_interval(value: float, rounds: Sequence[float]) -> Optional[List[float]]:
+    """The 95% interval ``[lo, hi]`` of a rate from its per-round rates (t-interval of their
+    log-mean, widened to include the reported ``value``); None with fewer than
+    ``MIN_PAIRED_ROUNDS`` rounds (see the module)."""
+    if len(rounds) < MIN_PAIRED_ROUNDS:
+        return None
     lo, hi = _log_t_interval(rounds)
-    lo, hi = min(lo, c["samples_per_s"]), max(hi, c["samples_per_s"])
-    c["samples_per_s_interval"] = [lo, hi]
-    c["noise_pct"] = 100 * (hi - lo) / 2 / c["samples_per_s"]
+    return [min(lo, value), max(hi, value)]
 
 
 def paired_rounds(a: Dict[str, Any], b: Dict[str, Any]) -> List[float]:

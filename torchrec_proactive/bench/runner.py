@@ -5,6 +5,8 @@ Usage::
     torchrec-proactive bench [--quick] [--json out.json] [--timeline out/] [--scaling out/]
                              [--sweep-bandwidth 0.05,0.1,0.2] [--world-size 2]
     torchrec-proactive bench --cache-planning [--quick] [--cache-budget-bytes B] [--json out.json]
+    torchrec-proactive bench --tier ssd [--quick] [--tier-dir DIR] [--host-cache-mb MB] [--json out.json]
+                             [--timeline out/]
 
 Configurations (same model, data and initial weights): ``resident`` (stock TorchRec, every
 row in device memory), ``reactive`` (depth 0), ``depth_k`` for each ``--depths`` entry,
@@ -24,6 +26,11 @@ rounds (``--quick``: 1) print the figures bare, with no interval and no verdict.
 intra-op thread per core it has to itself (ranks and the fetch workers share the cores).
 Progress goes to stderr, the summary to stdout
 (``--json -``: the JSON report to stdout and the summary to stderr).
+
+``--tier ssd`` benchmarks instead a table larger than host memory on this machine's disk
+(``O_DIRECT``), at several depths of its two hops (disk -> host cache -> device cache),
+against the same table in DRAM (``bench/ssd.py``; JSON key ``ssd``). Its files go to a new
+directory under ``--tier-dir`` and are removed afterwards, also on an error or Ctrl-C.
 """
 from __future__ import annotations
 
@@ -35,8 +42,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 # (benchmarks/soak.py and gpu_check.py take the argument types from here too)
-from .cli_args import (SHARDINGS, HelpFormatter, checked, comma_list, float_above, float_at_least,  # noqa: F401
-                       float_in, int_at_least)
+from .cli_args import (SHARDINGS, HelpFormatter, checked, comma_list, depth_pairs, float_above,  # noqa: F401
+                       float_at_least, float_in, int_at_least)
 from .noise import MIN_PAIRED_ROUNDS, format_ratio, sweep_warnings
 from ..quiet import quiet_third_party
 from .report import COUNTER_KEYS, REQUIRED_KEYS, format_table, summarize
@@ -214,6 +221,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "table-wise shards differ in misses per step (stragglers)")
     w.add_argument("--cache-load-factor", type=float_in(0.0, 1.0), default=0.05, metavar="F",
                    help="device cache size as a fraction of each local shard's rows")
+    t = p.add_argument_group("disk tier (--tier ssd: a table larger than host memory, on this machine's disk)")
+    t.add_argument("--tier", choices=("dram", "ssd"), default="dram",
+                   help="dram: the bench above (every table's host tier in DRAM); ssd: one table whose rows live in a "
+                        "file on disk behind a host cache, at depths 0, 1 and --ssd-depths against the same table in "
+                        "DRAM (JSON key ssd; bench/ssd.py); with --quick a tiny table, seconds, no claims")
+    t.add_argument("--tier-dir", type=Path, default=None, metavar="DIR",
+                   help="--tier ssd: where the table's file goes (in a new subdirectory, removed afterwards; DIR is "
+                        "created when missing); default: a new directory under the system's temporary directory")
+    t.add_argument("--table-gb", type=float_above(0.0), default=2.0, metavar="GB",
+                   help="--tier ssd: size of the table's file (sized down, with a note, where the disk or the memory "
+                        "for the dram configuration lacks room)")
+    t.add_argument("--host-cache-mb", type=float_above(0.0), default=256.0, metavar="MB",
+                   help="--tier ssd: the host cache (DRAM) in front of the file; the table should be at least 4x it")
+    t.add_argument("--ssd-depths", type=depth_pairs, default=None, metavar="K:KD,...",
+                   help="--tier ssd: deeper configurations besides reactive and depth_1, each host->device depth K "
+                        "and disk depth KD (K alone: K:K); default: 2:2,4:4,8:8, or 2:4,2:8,4:8,4:16 where the "
+                        "store's lookahead takes a disk depth of its own")
+    t.add_argument("--ids-per-step", type=int_at_least(1), default=4096, metavar="N",
+                   help="--tier ssd: Zipf ids a step (one per sample; --zipf-alpha), as the default bench's 8 tables "
+                        "x 512 samples")
+    t.add_argument("--step-ms", type=float_above(0.0), default=10.0, metavar="MS",
+                   help="--tier ssd: the device's step, EMULATED by a sleep between lookup and backward")
+    t.add_argument("--io-threads", type=int_at_least(1), default=64, metavar="N",
+                   help="--tier ssd: disk reads in flight at most (the file's I/O threads)")
     m = p.add_argument_group("measurement")
     m.add_argument("--depths", type=comma_list(int_at_least(1), "integers >= 1"), default="1,2,4,8",
                    metavar="K,...", help="proactive prefetch depths (reactive, depth 0, always runs)")
@@ -363,6 +394,86 @@ def _cache_planning(args: argparse.Namespace, summary: Any) -> int:
     return 0
 
 
+def _ssd(args: argparse.Namespace, summary: Any) -> int:
+    """``--tier ssd`` (bench/ssd.py): the directory first (a bad --tier-dir: one line, exit 2,
+    before anything heavy), then the run; its files are removed whatever happens."""
+    from .tier_dir import TierDir, TierDirError, terminate_as_interrupt
+
+    try:
+        tier = TierDir(args.tier_dir)
+    except TierDirError as e:
+        _say(f"torchrec-proactive bench: {e}")
+        return 2
+    try:
+        with terminate_as_interrupt():
+            report = _ssd_run(args, tier)
+    except KeyboardInterrupt:
+        removed = tier.remove()
+        _say(f"torchrec-proactive bench: interrupted; the tier files under {tier.path} "
+             f"{'were removed' if removed else 'could NOT be removed'}")
+        return 130
+    except _SsdUsage as e:
+        tier.remove()
+        _say(f"torchrec-proactive bench: {e}")
+        return 2
+    except Exception as e:
+        from ..store.errors import ProactiveError
+
+        removed = tier.remove()
+        if not isinstance(e, (ProactiveError, OSError)):
+            raise
+        _say(f"torchrec-proactive bench: {e} (tier files {'removed' if removed else 'NOT removed: ' + str(tier.path)})")
+        return 1
+    finally:
+        removed = tier.remove()
+    from .ssd import format_ssd_summary, public, write_ssd_timeline
+
+    report["tier_dir"], report["files_removed"] = str(tier.path), removed
+    if args.timeline:
+        report["timeline_files"] = write_ssd_timeline(report, args.timeline)
+        for f in report["timeline_files"]:
+            _say(f"wrote {f}")
+    print(format_ssd_summary(report), file=summary, flush=True)
+    _write_json(args.json, {"ssd": public(report)})
+    return 0
+
+
+class _SsdUsage(ValueError):
+    """A --tier ssd option this store cannot run: one line, exit 2."""
+
+
+def _ssd_run(args: argparse.Namespace, tier: Any) -> Dict[str, Any]:
+    from tqdm import tqdm
+
+    from . import ssd
+
+    s = ssd.SsdSettings(table_bytes=int(args.table_gb * ssd.GB), host_cache_bytes=int(args.host_cache_mb * ssd.MB),
+                        dim=args.dim, ids_per_step=args.ids_per_step, zipf_alpha=args.zipf_alpha,
+                        device_cache_fraction=args.cache_load_factor, step_ms=args.step_ms, io_threads=args.io_threads,
+                        depths=tuple(args.ssd_depths or ()), warmup_steps=args.warmup, timed_steps=args.steps,
+                        rounds=args.rounds or DEFAULT_ROUNDS)
+    if args.quick:
+        s = ssd.quick_settings(s)
+        if args.rounds:
+            s = replace(s, rounds=args.rounds)
+    separate = ssd.disk_depth_supported()
+    uneven = [f"{k}:{kd}" for k, kd in s.depths if k != kd]
+    if uneven and not separate:
+        raise _SsdUsage(f"--ssd-depths {','.join(uneven)}: this store's lookahead has no disk depth of its own yet "
+                        f"(the disk hop is as deep as the host->device hop): give K:K")
+    s, notes = ssd.fit_to_machine(s, tier.free_bytes())
+    for n in notes:
+        _say(f"note: {n}")
+    configs = ssd.configs_for(s, separate)
+    total = s.rounds * (len(configs) + 1)
+    with tqdm(total=total, desc="ssd", unit="run", file=sys.stderr, dynamic_ncols=True, mininterval=0.5) as bar:
+        def progress(what: str, done: int) -> None:
+            bar.set_description(f"ssd: {what}")
+            bar.update(done - bar.n)
+
+        return ssd.run_ssd_bench(s, tier.path, notes, progress=progress, trace=bool(args.timeline))
+
+
 def _write_json(path: Optional[Path], doc: Dict[str, Any]) -> None:
     if path is None:
         return
@@ -382,6 +493,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # `--json -` puts the JSON on stdout: the summary moves to stderr.
     summary = sys.stderr if args.json is not None and str(args.json) == "-" else sys.stdout
+    if args.tier == "ssd":
+        return _ssd(args, summary)
     settings = _settings(args)
     study = None
     if args.scaling:

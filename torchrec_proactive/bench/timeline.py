@@ -6,13 +6,16 @@ Lanes, top to bottom in every picture:
 
 ==============  ===================================================
 ``data_dist``   input all-to-all of the sparse ids ("a2a ids b5")
+``disk``        disk -> host cache reads of the batch's rows (``bench --tier ssd``: "read b9")
 ``fetch``       host -> device copy of the batch's cold rows ("fetch b7")
 ``compute``     forward / backward ("fwd b3", "bwd b3")
 ``output_comm`` pooled-embedding all-to-all (forward and backward)
 ``allreduce``   dense-gradient all-reduce
 ==============  ===================================================
 
-Unknown lanes are kept and placed after these, in alphabetical order.
+Unknown lanes are kept and placed after these, in alphabetical order; in pictures a lane
+``"<lane>:<n>"`` (more rows of one lane, for events of it that overlap: ``disk:2``) is drawn
+right below ``<lane>``.
 
 * :func:`write_chrome_trace` - ``{"traceEvents": [...]}`` with ``"X"`` events, times in µs,
   one process per configuration, one thread per (rank, lane); opens in chrome://tracing and
@@ -51,11 +54,12 @@ __all__ = [
 ]
 
 #: Known lanes, in display order (top to bottom) and Chrome-trace thread order.
-LANES: Tuple[str, ...] = ("data_dist", "fetch", "compute", "output_comm", "allreduce")
+LANES: Tuple[str, ...] = ("data_dist", "disk", "fetch", "compute", "output_comm", "allreduce")
 
 #: Human-readable lane names used as row labels.
 LANE_LABELS: Dict[str, str] = {
     "data_dist": "data-dist comm",
+    "disk": "disk read",
     "fetch": "row fetch",
     "compute": "compute",
     "output_comm": "output comm",
@@ -525,6 +529,24 @@ def _figures_text(figures: Optional[Mapping[str, Any]], traced: Dict[str, Any], 
     return head + f"\nbars: steps {min(window)}-{max(window)} of the trace"
 
 
+def _display_key(lane: str) -> Tuple[int, int, str]:
+    """Picture order: the known lanes, each followed by its extra rows (``"disk:2"``), then
+    the others alphabetically."""
+    parent, _, n = lane.partition(":")
+    if lane in LANES:
+        return LANES.index(lane), 0, ""
+    if n and parent in LANES:
+        return LANES.index(parent), 1, n.zfill(6)
+    return len(LANES), 0, lane
+
+
+def _lane_label(lane: str) -> str:
+    parent, _, n = lane.partition(":")
+    if lane not in LANE_LABELS and n and parent in LANE_LABELS:
+        return f"{LANE_LABELS[parent]} {n}"
+    return LANE_LABELS.get(lane, lane)
+
+
 def _phase(e: TraceEvent) -> str:
     """The phase of a compute event ("fwd", "bwd", ...): its name without the batch."""
     head = e.name.split(" ")[0] if e.name else ""
@@ -553,7 +575,7 @@ def timeline_figure(
         raise ValueError(f"skip_batches = {skip_batches!r} must be None or an int >= 0")
     configs = _coerce_configs(events_by_config)
     all_lanes = [l for l in _global_lanes(configs) if any(e.lane == l for evs in configs.values() for e in evs)]
-    all_lanes = all_lanes or list(LANES)
+    all_lanes = sorted(all_lanes, key=_display_key) or list(LANES)
     opt_joined = False
 
     # Lay out rows first so every subplot gets the height it needs.
@@ -583,7 +605,7 @@ def timeline_figure(
         for r in shown:
             for lane in all_lanes:
                 row_of[(r, lane)] = len(row_labels)
-                label = LANE_LABELS.get(lane, lane)
+                label = _lane_label(lane)
                 row_labels.append(f"r{r} {label}" if len(shown) > 1 else label)
         ax.set_yticks(range(len(row_labels)))
         ax.set_yticklabels(row_labels, fontsize=8)

@@ -1,0 +1,102 @@
+"""``torchrec-proactive bench --tier ssd`` as a user runs it (issue 42 item 6): the JSON the
+checks read, bit-identity across every disk configuration and dram, the tier files removed
+(after a run and after Ctrl-C), and a bad ``--tier-dir`` in one line with exit 2.
+
+No test here asserts a time, a rate or a speed-up: the machine is shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+CMD = [sys.executable, "-m", "torchrec_proactive.cli", "bench", "--tier", "ssd"]
+
+
+def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV)
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def test_quick_run_writes_the_json_the_checks_read_and_removes_its_files(tmp_path):
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    out = tmp_path / "out.json"
+    proc = bench("--quick", "--json", str(out), "--tier-dir", str(tier), "--timeline", str(tmp_path / "tl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ssd = json.loads(out.read_text())["ssd"]
+    for key, kind in (("table_bytes", int), ("host_cache_bytes", int), ("o_direct", bool), ("bit_identical", bool),
+                      ("configs", list)):
+        assert isinstance(ssd[key], kind), (key, ssd[key])
+    assert ssd["bit_identical"] is True, ssd["bit_identity"]
+    assert ssd["table_bytes"] >= 4 * ssd["host_cache_bytes"] > 0
+    names = [c["name"] for c in ssd["configs"]]
+    assert {"reactive", "depth_1", "best", "dram"} <= set(names), names
+    for c in ssd["configs"]:
+        assert isinstance(c["name"], str) and isinstance(c["depth"], int) and c["depth"] >= 0, c
+        for key in ("samples_per_s", "stall_ms", "disk_rows_per_step", "disk_reads_per_s", "mb_per_s"):
+            assert _number(c[key]) and c[key] >= 0, (c["name"], key, c[key])
+        assert c["samples_per_s"] > 0
+        # one round (--quick): no interval; from 6 rounds a [lo, hi] pair
+        iv = c["samples_per_s_interval"]
+        assert iv is None or (isinstance(iv, list) and len(iv) == 2 and iv[0] <= c["samples_per_s"] <= iv[1]), iv
+        assert c["bit_identical"] is True, c["name"]
+    by = {c["name"]: c for c in ssd["configs"]}
+    assert by["reactive"]["depth"] == 0 and by["depth_1"]["depth"] == 1 and by["depth_1"]["disk_depth"] == 1
+    assert by["best"]["best_of"] in names and by["dram"]["disk_depth"] is None
+    disk = [c for c in ssd["configs"] if c["tier"] == "disk"]
+    # what the scaling study reads: rows read per step, reads/s, reads in flight, each hop's lead
+    assert all(c["disk_rows_per_step"] > 0 and c["disk_reads_per_s"] > 0 for c in disk)
+    assert all(_number(c["reads_in_flight"]) and _number(c["lead_batches"]) and _number(c["disk_lead_batches"])
+               for c in disk)
+    assert by["reactive"]["lead_batches"] == 0
+    assert [t["met"] for t in ssd["targets"] if t["ratio"]] == [None, None, None]  # --quick makes no claims
+    # the files are gone: the run's directory under --tier-dir, and nothing else left there
+    assert ssd["files_removed"] is True and list(tier.iterdir()) == []
+    assert (tmp_path / "tl" / "ssd_timeline.png").stat().st_size > 0
+    text = proc.stdout
+    assert "final parameters bit-identical across every disk configuration and dram: yes" in text
+    assert ("O_DIRECT" in text) and "EMULATED" in text and "no claims" in text
+    if not ssd["o_direct"]:
+        assert ssd["o_direct_fallback"] and "NO O_DIRECT" in text
+
+
+def test_a_tier_dir_that_cannot_be_created_is_one_line_and_exit_2(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    bad = blocker / "tier"
+    proc = bench("--quick", "--tier-dir", str(bad), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--tier-dir" in lines[0] and str(bad) in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and not bad.exists()
+
+
+def test_ctrl_c_removes_the_tier_files(tmp_path):
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    # Many rounds, so that the run is still going when it is interrupted.
+    proc = subprocess.Popen([*CMD, "--quick", "--rounds", "200", "--tier-dir", str(tier)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tier.glob("*/*.rows")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(tier.glob("*/*.rows")), "the table file never appeared"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "were removed" in err and "Traceback" not in err
+    assert list(tier.iterdir()) == []
