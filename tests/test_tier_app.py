@@ -40,3 +40,22 @@ def test_compare_on_ssd_is_bit_identical_and_leaves_no_files(tmp_path: Path) -> 
     assert "on disk" in run.err, run  # the sharder says which tables are on disk
     left = [os.path.join(r, f) for r, _, fs in os.walk(tier) for f in fs]
     assert left == [], left
+
+
+@pytest.mark.multiprocess
+def test_a_run_on_ssd_resumes_with_another_host_cache(tmp_path: Path) -> None:
+    """Checkpoints of tables on disk stream through the tiers (DCP, a chunk of rows at a
+    time); a resume with another host cache size continues exactly where the run stopped."""
+    import json
+
+    common = ["--nproc", "1", "experiment=ci_tiny", "tier=ssd", f"tier.dir={tmp_path / 'nvme'}", "train.eval=false",
+              f"data.root={tmp_path / 'data'}"]
+    first = cli("train", *common, "train.epochs=1", "tier.host_cache_mb=0.016", f"train.output_dir={tmp_path / 'a'}")
+    assert first.rc == 0, first
+    resumed = cli("train", *common, "train.epochs=2", "train.resume=true", "tier.host_cache_mb=0.05",
+                  f"train.output_dir={tmp_path / 'a'}")
+    assert resumed.rc == 0 and "resumed from" in resumed.err, resumed
+    straight = cli("train", *common, "train.epochs=2", "tier.host_cache_mb=0.016", f"train.output_dir={tmp_path / 'b'}")
+    assert straight.rc == 0, straight
+    a, b = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("a", "b"))
+    assert a["steps"] == b["steps"] and a["train_loss"] == b["train_loss"], (a, b)

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ..checkpoint import METADATA, CheckpointReadError, SafeFileSystemReader, confined, file_digest
+from ..integration.disk_views import StreamingSavePlanner
 from .errors import CheckpointError, ConfigError
 from .resume import refuse_changes
 from .rundir import LATEST, MANIFEST, STEP_DIR, complete_checkpoints, latest_checkpoint
@@ -370,7 +371,9 @@ class Checkpointer:
         dist.barrier()
         shared = {k: v for k, v in payload.items() if k not in per_rank}
         tensors, rest = _split(shared)
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(target)))
+        # Tables on disk (tier=ssd) are saved a chunk of rows at a time, never whole in DRAM
+        # (the planner leaves every other tensor as DCP's default planner would).
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(target)), planner=StreamingSavePlanner())
         files = self._digests(target)
         mine = to_json({k: payload[k] for k in per_rank if k in payload})
         everyone: List[Any] = [None] * self.world_size
