@@ -18,6 +18,8 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import CacheParams, KeyValueParams, ShardingEnv, ShardingPlan
 
+from torchrec_proactive import ProactiveTrainPipeline
+
 from .dropin_worker import (
     DEV,
     LR,
@@ -83,22 +85,30 @@ def check_against_stock(rank: int, world_size: int, sharding: str, optim: str, d
     want = train(pipeline_for(side, stock, stock_opt), data)
     out: Dict[str, Any] = {}
     finals = {}
-    for depth in (2, 0):
-        where = os.path.join(directory, f"d{depth}")
+    # (prefetch depth, disk depth): the disk hop at the plan, and 3 batches further ahead
+    for depth, disk_depth in ((2, 2), (0, 0), (1, 4)):
+        name = f"depth{depth}_disk{disk_depth}"
+        where = os.path.join(directory, name)
         dmp, opt = build_key_value(configs, sharding, fused, world_size, where, host_cache_rows=150, seed_state=seed)
-        got = train(pipeline_for("ours", dmp, opt, depth=depth), data)
-        finals[depth] = params(dmp)
+        pipe = ProactiveTrainPipeline(dmp, opt, DEV, prefetch_depth=depth, disk_depth=disk_depth)
+        got = train(pipe, data)
+        finals[name] = params(dmp)
         sparse = dmp.module.sparse
         disk = [t.disk.stats() for t in sparse.named_tables().values()]
-        out[f"depth{depth}"] = {
-            "param_diff": max_diff(params(stock), finals[depth]),
+        stats = sparse.proactive_stats.snapshot()
+        out[name] = {
+            "param_diff": max_diff(params(stock), finals[name]),
             "out_diff": out_diff([o[1] for o in want], [o[1] for o in got]),
             "rows_read": sum(s["rows_read"] for s in disk),
             "rows_written": sum(s["rows_written"] for s in disk),
+            "stage_rows_read": sum(s["stage_rows_read"] for s in disk),
+            "plan_rows_hit": sum(s["plan_rows_hit"] for s in disk),
+            "staged_batches": stats["staged_batches"],
             "files_while_alive": len(_files(where)),
         }
         sparse.close()
         dist.barrier()
-        out[f"depth{depth}"]["files_after_close"] = len(_files(where))
-    out["depths_bit_identical"] = all(torch.equal(finals[2][k], finals[0][k]) for k in finals[0])
+        out[name]["files_after_close"] = len(_files(where))
+    first = finals["depth0_disk0"]
+    out["depths_bit_identical"] = all(torch.equal(f[k], first[k]) for f in finals.values() for k in first)
     return out

@@ -31,10 +31,15 @@ def _case(tmp_path_factory, sharding, optim):
 @pytest.mark.parametrize("sharding,optim", CASES)
 def test_key_value_tables_train_as_stock(tmp_path_factory, sharding, optim):
     for rank, res in enumerate(_case(tmp_path_factory, sharding, optim)):
-        for depth in ("depth2", "depth0"):
-            r = res[depth]
-            assert r["param_diff"] <= TOL and r["out_diff"] <= TOL, (rank, depth, r)
+        for run in ("depth2_disk2", "depth0_disk0", "depth1_disk4"):
+            r = res[run]
+            assert r["param_diff"] <= TOL and r["out_diff"] <= TOL, (rank, run, r)
             # the tables lived on disk: rows came from and went to the files, which are gone at close
-            assert r["rows_read"] > 0 and r["rows_written"] > 0, (rank, depth, r)
-            assert r["files_while_alive"] >= 1 and r["files_after_close"] == 0, (rank, depth, r)
+            assert r["rows_read"] > 0 and r["rows_written"] > 0, (rank, run, r)
+            assert r["files_while_alive"] >= 1 and r["files_after_close"] == 0, (rank, run, r)
+        # disk_depth 4 > prefetch_depth 1: batches were staged, their rows read before their plan
+        staged, plain = res["depth1_disk4"], res["depth2_disk2"]
+        assert staged["staged_batches"] > 0 and staged["stage_rows_read"] > 0, (rank, staged)
+        assert staged["plan_rows_hit"] > 0, (rank, staged)
+        assert plain["staged_batches"] == 0 and plain["stage_rows_read"] == 0, (rank, plain)
         assert res["depths_bit_identical"], rank

@@ -33,7 +33,7 @@ def test_compare_on_ssd_is_bit_identical_and_leaves_no_files(tmp_path: Path) -> 
     tier = tmp_path / "nvme"
     # host caches of 16 KiB per table shard: a few hundred rows of tables up to 1000 rows
     run = cli("compare", "--nproc", "2", "experiment=ci_tiny", "tier=ssd", f"tier.dir={tier}",
-              "tier.host_cache_mb=0.016", "train.epochs=1", "train.eval=false",
+              "tier.host_cache_mb=0.016", "tier.disk_depth=4", "train.epochs=1", "train.eval=false",
               f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'cmp'}", timeout=600)
     assert run.rc == 0, run
     assert "final parameters bit-identical: yes" in run.out, run

@@ -134,7 +134,9 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
         train = replace(cfg.train, output_dir=str(Path(cfg.train.output_dir) / label), save_checkpoints=False,
                         resume=False)
         # one config line for the comparison: the two runs differ only in prefetch.*
-        trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train), cache_depth=cache_depth,
+        # the reactive arm is reactive at both hops (tables on disk: no disk read ahead either)
+        tier = cfg.tier if prefetch.depth else replace(cfg.tier, disk_depth=None)
+        trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train, tier=tier), cache_depth=cache_depth,
                                   log_config=not trainers))
     trainers[0].log.info("compare: reactive (prefetch off, depth 0) and proactive (depth %d) side by side on the "
                          "data and caches above", depth)

@@ -98,7 +98,8 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
             log.info("%s", model_lib.describe_growth(notes, depth))
     dmp = model_lib.shard(model, model_lib.with_slots(sharder, slots), cfg, env, plan)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
-    pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth)
+    pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth,
+                                      disk_depth=cfg.tier.disk_depth)
 
     trainer = Trainer(cfg, env, dmp, optimizer, pipeline, data, checkpointer, log)
     shards: List[Any] = [None] * env.world_size

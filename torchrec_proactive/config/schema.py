@@ -327,10 +327,17 @@ class TierConfig:
     host_cache_mb: float = 64.0
     """``ssd``: each table shard's host cache, in MiB (TorchRec's ``l2_cache_size`` is whole
     GB per group; this is finer)."""
+    disk_depth: Optional[int] = None
+    """``ssd``: how many batches ahead the tables' disk reads are queued (the pipeline's
+    ``disk_depth``, >= the prefetch depth: a disk read takes longer than a step, a DRAM
+    fetch does not). Unset: at the prefetch depth, when each batch is planned. The host
+    caches hold ``disk_depth + 1`` batches' rows; the device caches ``depth + 1``."""
 
     def __post_init__(self) -> None:
         _choice("tier.kind", self.kind, TIER_KINDS)
         _positive("tier.host_cache_mb", self.host_cache_mb)
+        if self.disk_depth is not None:
+            _at_least("tier.disk_depth", self.disk_depth, 0)
         if self.kind == "ssd" and not self.dir:
             _fail("tier.dir", self.dir, "must name a directory for the tables' files with tier=ssd (a local NVMe disk)")
 
@@ -414,6 +421,10 @@ class Config:
             _fail("cache.sized_for_depth", self.cache.sized_for_depth,
                   f"must be >= the run's prefetch depth {self.prefetch.capacity_depth} (the caches must hold depth + 1 "
                   f"batches; leave it unset to size them for the run's own depth)")
+        if self.tier.disk_depth is not None and self.tier.disk_depth < self.prefetch.capacity_depth:
+            _fail("tier.disk_depth", self.tier.disk_depth,
+                  f"must be >= the prefetch depth {self.prefetch.capacity_depth} (the disk hop runs at least as far "
+                  f"ahead as the host-to-device hop)")
         if self.tier.kind == "ssd" and self.sharding.kernel != "fused_uvm_caching":
             _fail("tier.kind", self.tier.kind, f"'ssd' needs sharding.kernel='fused_uvm_caching' (the proactive tables), "
                   f"got {self.sharding.kernel!r}")

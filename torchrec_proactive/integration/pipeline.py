@@ -19,6 +19,13 @@ on the critical path - TorchRec's behaviour, kept as the baseline.
 
 Capacity: ``k + 1`` batches hold pinned cache rows and one more has ids in flight; all of it
 derives from ``prefetch_depth``.
+
+Tables on disk (planned ``key_value``) have a second hop, disk -> host cache, whose reads can
+take several steps. With ``disk_depth = D > k`` the pipeline holds batches ``N .. N+D``: at
+step 2 it also *stages* batch N+D (waits for its ids and queues its disk reads, pinning its
+rows in the host caches), so its reads run during steps N .. N+D-k-1 and its plan, D-k steps
+later, finds them in DRAM. Only the host caches hold the extra batches; the device cache
+still holds ``k + 1``.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         optimizer: the dense optimizer (usually a ``CombinedOptimizer`` with the fused one).
         device: training device.
         prefetch_depth: ``k``; 0 is the reactive baseline.
+        disk_depth: ``D >= k``: for tables on disk, how many batches ahead their disk reads
+            are queued (default ``k``: at their plan). Changes only where rows are, never a
+            value; a host cache too full to stage a batch skips it (``stages_skipped``).
         execute_all_batches: as TorchRec's: ``True`` trains the batches still in the
             pipeline once the iterator is exhausted, then raises ``StopIteration``; ``False``
             raises ``StopIteration`` as soon as the iterator is exhausted and keeps its
@@ -91,9 +101,12 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         apply_jit: bool = False,
         custom_model_fwd: Optional[Any] = None,
         trace: bool = False,
+        disk_depth: Optional[int] = None,
     ) -> None:
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an integer >= 0, got {prefetch_depth!r}")
+        if disk_depth is not None and (not isinstance(disk_depth, int) or disk_depth < prefetch_depth):
+            raise ValueError(f"disk_depth must be an integer >= prefetch_depth={prefetch_depth}, got {disk_depth!r}")
         super().__init__(
             model=model,
             optimizer=optimizer,
@@ -104,10 +117,13 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             custom_model_fwd=custom_model_fwd,
         )
         self.prefetch_depth = prefetch_depth
+        self._disk_depth = disk_depth
         self.tracer = PipelineTracer(enabled=trace)
         self._proactive_modules: List[ProactiveShardedEmbeddingBagCollection] = []
-        # Names of the contexts whose ids were waited for (and fetch issued when k >= 1).
+        # Names of the contexts whose ids were waited for (and fetch issued when k >= 1), and
+        # of those staged on disk (ids waited for, disk reads queued, not planned yet).
         self._prefetched: set = set()
+        self._staged: set = set()
         self._consistency_checked = False
         self._failure: Optional[BaseException] = None
         self._dense_nonfinite: Optional[AsyncCount] = None  # GPU batches: see enqueue_batch
@@ -173,16 +189,17 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         hang in an all-to-all instead of failing. Checked once, with one small all-gather."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return
-        mine = torch.tensor([self.prefetch_depth, len(self._proactive_modules), len(self._pipelined_modules)],
-                            dtype=torch.int64)
+        mine = torch.tensor([self.prefetch_depth, len(self._proactive_modules), len(self._pipelined_modules),
+                             self.disk_depth], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         for rank, theirs in enumerate(gathered):
             if not torch.equal(theirs, mine):
                 raise ValueError(
                     f"ranks disagree on the pipeline: this rank (rank {dist.get_rank()}) has prefetch_depth="
-                    f"{int(mine[0])} and {int(mine[1])} proactive / {int(mine[2])} pipelined modules, rank {rank} "
-                    f"has prefetch_depth={int(theirs[0])} and {int(theirs[1])} / {int(theirs[2])}; "
+                    f"{int(mine[0])}, disk_depth={int(mine[3])} and {int(mine[1])} proactive / {int(mine[2])} "
+                    f"pipelined modules, rank {rank} has prefetch_depth={int(theirs[0])}, disk_depth="
+                    f"{int(theirs[3])} and {int(theirs[1])} / {int(theirs[2])}; "
                     f"every rank must use the same configuration"
                 )
 
@@ -194,12 +211,34 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             self.start_sparse_data_dist(self.batches[i], ctx)
         self.tracer.open("data_dist", ctx.index, t0)
 
+    @property
+    def disk_depth(self) -> int:
+        """``D``: how many batches ahead tables on disk queue their reads (``>= prefetch_depth``)."""
+        return self.prefetch_depth if self._disk_depth is None else max(self._disk_depth, self.prefetch_depth)
+
+    def _stage(self, i: int) -> None:
+        """Waits for the ids of ``contexts[i]`` (``k < i <= D``) and queues the disk reads of
+        its rows (tables on disk); it is planned when it comes within ``k``."""
+        context: PrefetchTrainPipelineContext = self.contexts[i]  # type: ignore[assignment]
+        if context.index in self._staged or context.index in self._prefetched:
+            return
+        self._staged.add(context.index)
+        for module in self._pipelined_modules:
+            name = module.forward.name  # type: ignore[union-attr]
+            dist_input = context.input_dist_tensors_requests.pop(name).wait()
+            module_ctx = context.module_contexts[name]
+            module_ctx.owner = self._owner  # type: ignore[attr-defined]
+            if isinstance(module, ProactiveShardedEmbeddingBagCollection):
+                module.stage(dist_input, module_ctx)
+            context.input_dist_tensors_requests[name] = NoWait(dist_input)
+
     def _prefetch(self, i: int) -> None:
         """Waits for the ids of ``contexts[i]`` and, at depth >= 1, issues its row fetch."""
         context: PrefetchTrainPipelineContext = self.contexts[i]  # type: ignore[assignment]
         if context.index in self._prefetched:
             return
         self._prefetched.add(context.index)
+        self._staged.discard(context.index)
         stream = self._data_dist_stream
         for module in self._pipelined_modules:
             name = module.forward.name  # type: ignore[union-attr]
@@ -248,8 +287,11 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         self._configure_modules()
         self.tracer.open("data_dist", self.contexts[0].index, t0)
         self.wait_sparse_data_dist(self.contexts[0])
-        for j in range(1, self.prefetch_depth + 1):
-            self._prefetch(j - 1)
+        for j in range(1, self.disk_depth + 1):
+            if j - 1 < self.prefetch_depth:
+                self._prefetch(j - 1)
+            else:
+                self._stage(j - 1)
             if not self.enqueue_batch(dataloader_iter):
                 return
             self._launch_input_dist(j)
@@ -301,9 +343,12 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             self._optimizer.zero_grad()
         _wait_for_batch(self.batches[0], self._data_dist_stream)
 
-        # 2. ids of N+k are local: issue its fetch (at k = 0 only N's ids are waited for)
+        # 2. ids of N+k are local: issue its fetch (at k = 0 only N's ids are waited for);
+        #    tables on disk: stage N+k+1 .. N+D (their disk reads queued now)
         for i in range(min(k, len(self.batches) - 1) + 1):
             self._prefetch(i)
+        for i in range(k + 1, min(self.disk_depth, len(self.batches) - 1) + 1):
+            self._stage(i)
 
         # 3. next batch in: its input all-to-all starts behind this step
         has_next = self.enqueue_batch(dataloader_iter)
@@ -403,6 +448,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             module.release_unfinished(owner=self._owner)
             module.abandon_prefetched(owner=self._owner)
         self._prefetched.clear()
+        self._staged.clear()
         self._failure = None
         super().reset()
         self._check_drained()
@@ -423,7 +469,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
 
     @property
     def in_flight(self) -> int:
-        """Batches currently held by the pipeline (at most ``prefetch_depth + 2``)."""
+        """Batches currently held by the pipeline (at most ``disk_depth + 2``)."""
         return len(self.batches)
 
     def stats(self, per_table: bool = False) -> Dict[str, Any]:

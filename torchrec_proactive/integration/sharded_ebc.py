@@ -43,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fetch import FetchEngine, FetchFailedError, Ticket, make_transport
 from ..store import CacheCapacityError, NotPrefetchedError, StoreStateError
+from ..store.disk_host_tier import HostCacheCapacityError
 from .disk_tier import GROUP_KEY
 from .embedding_kernel import PlannedGroup, PreparedBatch, ProactiveEmbeddingBag
 from .validation import InputValidator
@@ -181,6 +182,12 @@ class ProactiveStats:
     # was issued (0 at lookup, k at depth k; less for a batch that waited for pins). Divided
     # by ``batches``: the effective depth, counted rather than inferred from waits.
     prefetch_lead_lookups: int = 0
+    # Tables on disk: batches whose rows were staged (disk reads queued ``disk_depth``
+    # batches ahead, before their plan), and stagings skipped because the host cache was
+    # full of pinned rows (the batch's reads then start at its plan: exact, later).
+    staged_batches: int = 0
+    stages_skipped: int = 0
+    stages_yielded: int = 0  # stages dropped so that an earlier batch's plan fit the host cache
     keep_records: bool = False
     records: Deque[BatchRecord] = field(default_factory=lambda: deque(maxlen=100_000))
 
@@ -196,6 +203,8 @@ class ProactiveStats:
             "deferred_batches": self.deferred_batches, "overflow_rows": self.overflow_rows,
             "prefetch_lead_lookups": self.prefetch_lead_lookups,
             "plan_s": self.plan_s, "plan_cpu_s": self.plan_cpu_s,
+            "staged_batches": self.staged_batches, "stages_skipped": self.stages_skipped,
+            "stages_yielded": self.stages_yielded,
         }
 
 
@@ -227,6 +236,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # and batches planned by a prefetch whose lookup has not come yet.
         self._waiting: Deque[Tuple[Any, KJTList]] = deque()
         self._prefetched: List[BatchFetch] = []
+        self._staged: List[Any] = []  # contexts of batches staged on disk and not yet planned
         self._lookups_consumed = 0  # lookups that consumed a fetch (for ProactiveStats.prefetch_lead_lookups)
         self._validator = InputValidator(self._embedding_bag_configs)
         self._warned_deferral = False
@@ -410,6 +420,37 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if not getattr(ctx, "plan_in_output_dist", False):
             self._plan_waiting(owner=getattr(ctx, "owner", None))
 
+    def stage(self, dist_input: KJTList, ctx: EmbeddingBagCollectionContext) -> None:
+        """Tables on disk: queues the disk reads of a batch that will be planned later (the
+        pipeline's ``disk_depth`` batches ahead, while its plan is ``prefetch_depth``
+        ahead), pinning its rows in the host caches until it is planned. Only where rows
+        are changes: the batch trains the same whether staged or not. A host cache without
+        room skips the staging (counted in ``stages_skipped``): its reads then start at
+        its plan. The prepared rows are kept for the plan (computed once)."""
+        if not any(k.on_disk_tier for k in self._proactive_kernels):
+            return
+        prepared = self._prepare(dist_input)
+        ctx.prepared = prepared  # type: ignore[attr-defined]
+        stages = []
+        for kernel, batch in prepared:
+            if not kernel.on_disk_tier:
+                continue
+            try:
+                stages.append((kernel.store, kernel.store.stage_rows(batch.rows)))
+            except CacheCapacityError:
+                self._stats.stages_skipped += 1
+        ctx.stages = stages  # type: ignore[attr-defined]
+        self._staged.append(ctx)
+        self._stats.staged_batches += 1
+
+    def _unstage(self, ctx: Any) -> None:
+        """Drops a batch's stages (once it is planned, or abandoned)."""
+        for store, stage in getattr(ctx, "stages", None) or []:
+            store.unstage(stage)
+        if getattr(ctx, "stages", None) is not None:
+            ctx.stages = None
+            self._staged = [c for c in self._staged if c is not ctx]
+
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
         if torch.is_grad_enabled():
             # The pin rule (see ProactiveEmbeddingBag.forward): the previous training
@@ -500,7 +541,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 f"pipeline (prefetch_depth={self.prefetch_depth}) but none was issued"
             )
         # A plain forward (eval loop, after pipeline.detach(), no pipeline): fetch now.
-        return self._issue(input, index, overflow=True)
+        return self._issue(input, index, overflow=True, ctx=ctx)
 
     def _issue(self, dist_input: KJTList, index: Optional[int], overflow: bool,
                ctx: Optional[EmbeddingBagCollectionContext] = None) -> BatchFetch:
@@ -515,19 +556,26 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             if prepared is None:
-                prepared = []
-                for (splits, kernels), features in zip(self._group_layout, dist_input):
-                    if not any(k is not None for k in kernels):
-                        continue
-                    # (One kernel for all the features needs no split: it costs a KJT copy.)
-                    parts = [features] if len(splits) == 1 else features.split(splits)
-                    for kernel, group_features in zip(kernels, parts):
-                        if kernel is not None:
-                            prepared.append((kernel, kernel.prepare_batch(group_features)))
+                prepared = self._prepare(dist_input)
                 if ctx is not None:
                     ctx.prepared = prepared  # type: ignore[attr-defined]
-            for kernel, batch in prepared:
-                groups.append(kernel.plan_prepared(batch, overflow=overflow))
+            try:
+                for kernel, batch in prepared:
+                    groups.append(kernel.plan_prepared(batch, overflow=overflow))
+            except HostCacheCapacityError:
+                # Stages yield to plans: later batches' staged rows fill the host cache, so
+                # they let go (their rows stay until evicted) and this batch plans again.
+                others = [c for c in self._staged if c is not ctx]
+                if not others:
+                    raise
+                for group in reversed(groups):
+                    group.kernel.unplan(group)
+                groups = []
+                for other in others:
+                    self._unstage(other)
+                self._stats.stages_yielded += len(others)
+                for kernel, batch in prepared:
+                    groups.append(kernel.plan_prepared(batch, overflow=overflow))
         except BaseException:
             # Nothing was issued, so nothing moved: undo the plans made so far exactly.
             for group in reversed(groups):
@@ -538,6 +586,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self._stats.plan_cpu_s += time.thread_time() - cpu0
         if ctx is not None:
             ctx.prepared = None  # type: ignore[attr-defined]
+            self._unstage(ctx)  # (its plans pin its rows now)
         plans = [p for g in groups for p in g.plans]
         try:
             ticket = self._fetch_engine.issue(plans, tag=index)
@@ -546,6 +595,19 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 group.kernel._release(group)
             raise
         return BatchFetch(ticket, groups, index, owner=_owner(ctx), issued_after_lookups=self._lookups_consumed)
+
+    def _prepare(self, dist_input: KJTList) -> List[Tuple[ProactiveEmbeddingBag, PreparedBatch]]:
+        """Per proactive kernel, the batch's ids as its store's rows (no store state)."""
+        prepared: List[Tuple[ProactiveEmbeddingBag, PreparedBatch]] = []
+        for (splits, kernels), features in zip(self._group_layout, dist_input):
+            if not any(k is not None for k in kernels):
+                continue
+            # (One kernel for all the features needs no split: it costs a KJT copy.)
+            parts = [features] if len(splits) == 1 else features.split(splits)
+            for kernel, group_features in zip(kernels, parts):
+                if kernel is not None:
+                    prepared.append((kernel, kernel.prepare_batch(group_features)))
+        return prepared
 
     def _warn_deferral_once(self, index: Optional[int], why: CacheCapacityError) -> None:
         if self._warned_deferral:
@@ -662,6 +724,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         released += 1
         self._consumed = [f for f in self._consumed if f.owner is not owner and not f.released]
         self._waiting = deque((c, d) for c, d in self._waiting if _owner(c) is not owner)  # never planned
+        for ctx in [c for c in self._staged if _owner(c) is owner]:
+            self._unstage(ctx)
         for kernel in self._proactive_kernels:
             kernel.unbind()
         return released
@@ -691,6 +755,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._prefetched = [f for f in self._prefetched if not matches(f.owner)]
         self._waiting = deque((c, d) for c, d in self._waiting if not matches(_owner(c)))
         self._consumed = [f for f in self._consumed if not (matches(f.owner) and f.released)]
+        for ctx in [c for c in self._staged if matches(_owner(c))]:
+            self._unstage(ctx)
         return n
 
     def holds_batches_of_others(self, owner: Any) -> bool:
