@@ -100,3 +100,42 @@ def test_ctrl_c_removes_the_tier_files(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted" in err and "were removed" in err and "Traceback" not in err
     assert list(tier.iterdir()) == []
+
+
+def test_the_bit_checks_can_fail(tmp_path):
+    """The checks behind ``bit_identical`` see one flipped bit: in a row a run touched, and
+    in a row nobody touched (the final check reads the whole file)."""
+    import torch
+
+    from torchrec_proactive.bench import ssd
+    from torchrec_proactive.store import TieredTable
+
+    s = ssd.quick_settings(ssd.SsdSettings())
+    g = ssd.Geometry.of(s)
+    work = ssd._Workload(s, g.rows)
+    init = ssd._initial_weights(g.rows, g.dim, 0)
+    optim = ssd._optimizer(s)
+    disk = TieredTable.on_disk("t", g.rows, g.dim, optim, num_slots=g.device_cache_rows, directory=tmp_path,
+                               host_cache_bytes=s.host_cache_bytes, initial_weight=init)
+    try:
+        dram = TieredTable("t", init, optim, num_slots=g.device_cache_rows)
+        batches = work.batches(0, 6)
+        cfg = ssd.SsdConfig("x", 1, 1)
+        ssd._replay(disk, batches, cfg, ssd.disk_depth_supported())
+        ssd._replay(dram, batches, cfg, ssd.disk_depth_supported())
+        rng = __import__("numpy").random.default_rng(0)
+        assert ssd._check_rows(disk, dram, batches, rng) and ssd._check_file(disk, dram)
+        touched = int(batches[0][0][0])
+        untouched = next(r for r in range(g.rows) if r not in set(torch.cat([b[0] for b in batches]).tolist()))
+        for row in (touched, untouched):
+            w = dram.host_weight[row, 3].clone()
+            dram.host_weight[row, 3] = torch.nextafter(w, torch.tensor(1.0))  # one ulp
+            assert not ssd._check_file(disk, dram)
+            if row == touched:
+                assert not ssd._check_rows(disk, dram, batches, rng)
+            dram.host_weight[row, 3] = w
+        state = next(iter(dram.host_state.values()))
+        state[untouched] += 1.0
+        assert not ssd._check_file(disk, dram)
+    finally:
+        disk.close()

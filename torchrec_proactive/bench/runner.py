@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--tier ssd: the device's step, EMULATED by a sleep between lookup and backward")
     t.add_argument("--io-threads", type=int_at_least(1), default=64, metavar="N",
                    help="--tier ssd: disk reads in flight at most (the file's I/O threads)")
+    t.add_argument("--time-budget-min", type=float_above(0.0), default=14.0, metavar="MIN",
+                   help="--tier ssd: rounds past the 6 that intervals need stop where the next would end the run "
+                        "later than this (the summary says so); the rounds asked are a maximum")
     m = p.add_argument_group("measurement")
     m.add_argument("--depths", type=comma_list(int_at_least(1), "integers >= 1"), default="1,2,4,8",
                    metavar="K,...", help="proactive prefetch depths (reactive, depth 0, always runs)")
@@ -471,7 +474,8 @@ def _ssd_run(args: argparse.Namespace, tier: Any) -> Dict[str, Any]:
             bar.set_description(f"ssd: {what}")
             bar.update(done - bar.n)
 
-        return ssd.run_ssd_bench(s, tier.path, notes, progress=progress, trace=bool(args.timeline))
+        return ssd.run_ssd_bench(s, tier.path, notes, progress=progress, trace=bool(args.timeline),
+                                 budget_s=60 * args.time_budget_min)
 
 
 def _write_json(path: Optional[Path], doc: Dict[str, Any]) -> None:

@@ -106,7 +106,8 @@ def quick_settings(s: SsdSettings) -> SsdSettings:
     return replace(s, table_bytes=min(s.table_bytes, 8 * MB), host_cache_bytes=min(s.host_cache_bytes, 1 * MB),
                    ids_per_step=min(s.ids_per_step, 256), step_ms=min(s.step_ms, 2.0),
                    io_threads=min(s.io_threads, 16), warmup_steps=min(s.warmup_steps, 2),
-                   timed_steps=min(s.timed_steps, 6), rounds=1, depths=s.depths[:1] or ((2, 2),), quick=True)
+                   timed_steps=min(s.timed_steps, 6), rounds=1,
+                   depths=s.depths[:1] or default_depths(disk_depth_supported())[:1], quick=True)
 
 
 def disk_depth_supported() -> bool:
@@ -118,7 +119,9 @@ def disk_depth_supported() -> bool:
 def default_depths(separate_disk_depth: bool) -> Tuple[Tuple[int, int], ...]:
     """The deeper configurations of a default run."""
     if separate_disk_depth:
-        return ((2, 4), (2, 8), (4, 8), (4, 16))
+        # The host->device hop is a copy within DRAM here, so beyond one batch its depth
+        # matters little: the disk hop's does.
+        return ((1, 4), (2, 8), (4, 16))
     return ((2, 2), (4, 4), (8, 8))
 
 
@@ -394,16 +397,27 @@ def _in_flight(spans: Sequence[Tuple[float, float]], t0: float, t1: float) -> Di
             "latency_ms_p90": 1e3 * lat[min(len(lat) - 1, int(round(0.9 * (len(lat) - 1))))] if lat else None}
 
 
+#: Disk-tier figures that are not running sums (a difference of two means nothing).
+_LEVELS = ("orphan_rows",)
+
+
 def _counters(table: TieredTable) -> Dict[str, float]:
-    """Running counters of the table and its disk tier (sums only: maxima do not subtract)."""
+    """Running counters of the table and its disk tier: sums, whose differences are what a
+    window did, and (``level_*``) maxima, means and levels, read as they are."""
     c: Dict[str, float] = {f"table_{k}": float(v) for k, v in table.stats.as_dict().items() if k != "hit_rate"}
     if table.disk is not None:
         for k, v in table.disk.stats().items():
-            if isinstance(v, (int, float)) and not k.startswith("max_"):
-                c[f"disk_{k}"] = float(v)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            level = k.startswith("max_") or k.endswith(("_max", "_mean")) or k in _LEVELS
+            c[f"{'level' if level else 'disk'}_{k}"] = float(v)
         f = table.disk.file
         c.update(file_reads=f.reads, file_bytes_read=f.bytes_read, file_writes=f.writes,
                  file_bytes_written=f.bytes_written)
+        # (the mean over reads of the reads in flight as each started, as a sum: it subtracts)
+        mean = c.get("level_reads_in_flight_mean")
+        if mean is not None:
+            c["reads_in_flight_sum"] = mean * c.get("disk_read_requests", f.reads)
     return c
 
 
@@ -448,11 +462,13 @@ def _initial_weights(rows: int, dim: int, seed: int) -> torch.Tensor:
 
 
 def _lookahead(table: TieredTable, engine: FetchEngine, batches: Sequence[Any], cfg: SsdConfig,
-               consume: Callable[[int, Any, Any], None], separate: bool) -> None:
+               consume: Callable[[int, Any, Any], None], separate: bool) -> Any:
+    """``run_lookahead`` at the configuration's depths; returns its report (None from a
+    store without one)."""
     if separate and cfg.disk_depth is not None:
-        run_lookahead(table, engine, batches, cfg.depth, consume, disk_depth=cfg.disk_depth)  # type: ignore[call-arg]
-    else:
-        run_lookahead(table, engine, batches, cfg.depth, consume)
+        return run_lookahead(table, engine, batches, cfg.depth, consume,  # type: ignore[call-arg,func-returns-value]
+                             disk_depth=cfg.disk_depth if table.disk is not None else cfg.depth)
+    return run_lookahead(table, engine, batches, cfg.depth, consume)  # type: ignore[func-returns-value]
 
 
 def _replay(table: TieredTable, batches: Sequence[Any], cfg: SsdConfig, separate: bool) -> None:
@@ -482,6 +498,7 @@ def _timed_run(table: TieredTable, batches: Sequence[Any], cfg: SsdConfig, s: Ss
     step_s = s.step_ms / 1e3
     if watch is not None:
         watch.reset()
+    staged = _watch_stages(table, batches)
 
     def consume(i: int, tb: Any, batch: Any) -> None:
         starts[i] = time.perf_counter()
@@ -494,27 +511,32 @@ def _timed_run(table: TieredTable, batches: Sequence[Any], cfg: SsdConfig, s: Ss
         engine.next_use = i + 1
 
     try:
-        _lookahead(table, engine, batches, cfg, consume, separate)
+        report = _lookahead(table, engine, batches, cfg, consume, separate)
         engine.drain()
     finally:
         engine.close()
+        table.__dict__.pop("stage_rows", None)  # (the wrapper of _watch_stages)
     t0, t1 = starts[first], starts[last]
     steps_ms = [1e3 * (starts[i + 1] - starts[i]) for i in range(first, last)]
-    delta = {k: snaps[last][k] - snaps[first].get(k, 0.0) for k in snaps[last]}
-    disk_of = _disk_tickets_by_batch(engine, watch, batches) if watch is not None else {}
+    delta = {k: (v if k.startswith("level_") else v - snaps[first].get(k, 0.0)) for k, v in snaps[last].items()}
+    disk_of = {i: staged.get(i, []) + ([rec[2]] if rec[2] is not None else []) for i, rec in engine.issued.items()}
     io = watch.io_spans() if watch is not None else {}
     waited = range(first + 1, last + 1)  # the waits inside the window: before lookups first+1 .. last
     # When the copy worker sat waiting for disk reads (one worker: disjoint intervals). A
     # lookup's wait is "disk" while it did, "copy" otherwise (copying this batch or earlier).
     blocked = sorted((r[0], r[1]) for r in engine.copy.records.values() if r[1] > r[0])
     stall = disk_stall = plan = 0.0
-    leads_b, leads_ms, slack_ms, disk_lead_ms, disk_ready_ms = [], [], [], [], []
+    leads_b, disk_leads_b, leads_ms, slack_ms, disk_lead_ms, disk_ready_ms = [], [], [], [], [], []
     for i in waited:
         w0, w1 = engine.waits.get(i, (starts[i], starts[i]))
         stall += w1 - w0
         plan += max(0.0, (starts[i] - ends[i - 1]) - (w1 - w0))
         ticket, lead = engine.issued[i][:2]
         disk_stall += sum(max(0.0, min(w1, b) - max(w0, a)) for a, b in blocked if a < w1 and b > w0)
+        planned_at = getattr(report, "planned_at", {})
+        if i in planned_at:  # (the lookahead's own account of each hop's lead)
+            lead = i - planned_at[i]
+            disk_leads_b.append(i - report.staged_at.get(i, planned_at[i]))
         leads_b.append(lead)
         leads_ms.append(1e3 * (starts[i] - ticket.issued_at))
         if ticket.completed_at is not None:
@@ -531,7 +553,9 @@ def _timed_run(table: TieredTable, batches: Sequence[Any], cfg: SsdConfig, s: Ss
         "counters": delta, "lead_batches": _mean(leads_b), "lead_ms": _mean(leads_ms),
         "ready_before_use_ms": _mean(slack_ms), "disk_lead_ms": _mean(disk_lead_ms),
         "disk_ready_before_use_ms": _mean(disk_ready_ms),
-        "disk_lead_batches": (cfg.disk_depth if separate else cfg.depth) if table.disk is not None else None,
+        "disk_lead_batches": (_mean(disk_leads_b) if disk_leads_b else _mean(leads_b))
+        if table.disk is not None else None,
+        "stages_waited": getattr(report, "stages_waited", None), "stages_dropped": getattr(report, "stages_dropped", None),
     }
     if watch is not None and watch.ok and table.disk is not None:
         out["reads"] = _in_flight(watch.reads, t0, t1)
@@ -540,20 +564,23 @@ def _timed_run(table: TieredTable, batches: Sequence[Any], cfg: SsdConfig, s: Ss
     return out
 
 
-def _disk_tickets_by_batch(engine: _TimedEngine, watch: Optional[_DiskWatch],
-                           batches: Sequence[Any]) -> Dict[int, List[int]]:
-    """Per batch, the disk tickets that brought its rows: its plan's own, and the ticket
-    that staged it ahead (stage tickets are made once per batch, in batch order: the n-th
-    is batch n's when its rows are the batch's)."""
-    out: Dict[int, List[int]] = {i: [rec[2]] for i, rec in engine.issued.items() if rec[2] is not None}
-    if watch is None:
+def _watch_stages(table: TieredTable, batches: Sequence[Any]) -> Dict[int, List[int]]:
+    """Per batch, the disk tickets that staged it ahead (filled as the run goes): the table's
+    ``stage_rows`` is wrapped, on this instance, until the run's end."""
+    out: Dict[int, List[int]] = {}
+    stage_rows = getattr(table, "stage_rows", None)
+    if table.disk is None or stage_rows is None:
         return out
-    stages = [(seq, t) for seq, (_, kind, t) in sorted(watch.queued.items()) if kind == "stage"]
-    for i, (seq, ticket) in enumerate(stages[:len(batches)]):
-        rows = np.asarray(getattr(ticket, "read_rows", np.empty(0)))
-        if rows.size and not np.isin(rows, batches[i][0].numpy()).all():
-            break  # (not in batch order: no stage tickets on the timeline)
-        out.setdefault(i, []).insert(0, seq)
+    index = {id(b[0]): i for i, b in enumerate(batches)}
+
+    def watched(rows: Any, *args: Any, **kwargs: Any) -> Any:
+        stage = stage_rows(rows, *args, **kwargs)
+        i = index.get(id(rows))
+        if i is not None and getattr(stage, "ticket", None) is not None:
+            out.setdefault(i, []).append(stage.ticket.seq)
+        return stage
+
+    table.stage_rows = watched  # type: ignore[method-assign]
     return out
 
 
@@ -638,12 +665,28 @@ def _check_rows(disk: TieredTable, dram: TieredTable, batches: Sequence[Any], rn
     return _same(disk, dram, rows)
 
 
-def _check_every_row(disk: TieredTable, dram: TieredTable, chunk: int) -> bool:
+def _check_file(disk: TieredTable, dram: TieredTable, chunk_pages: int = 4096) -> bool:
+    """Every row, at the end: both device caches written back and the host cache flushed,
+    the table's file is the whole table; it is read page by page (large sequential reads,
+    outside the host cache) and each record compared, bit for bit, with the DRAM table."""
     _settle(disk)
     _settle(dram)
-    for a in range(0, disk.num_rows, chunk):
-        if not _same(disk, dram, torch.arange(a, min(disk.num_rows, a + chunk))):
-            return False
+    disk.flush_to_disk()
+    tier = disk.disk
+    f = tier.file
+    rpp, record, page = tier.rows_per_page, tier.record, tier.page_bytes
+    hosts = [dram.host_weight, *dram.host_state.values()]
+    buf = aligned_buffer(chunk_pages * page)
+    for p0 in range(0, f.num_pages, chunk_pages):
+        n = min(chunk_pages, f.num_pages - p0)
+        f.read_pages(np.arange(p0, p0 + n), buf).wait()
+        r0 = p0 * rpp
+        r1 = min(tier.num_rows, r0 + n * rpp)
+        records = buf[: n * page].reshape(n, page)[:, : rpp * record].reshape(n * rpp, record)[: r1 - r0]
+        for c, off, host in zip(tier.components, tier.offsets, hosts):
+            want = host[r0:r1].contiguous().view(torch.uint8).reshape(r1 - r0, -1).numpy()
+            if not np.array_equal(records[:, off: off + want.shape[1]], want):
+                return False
     return True
 
 
@@ -707,106 +750,172 @@ def _probe_disk(file: Any, in_flight: int, seconds: float, seed: int = 0) -> Dic
 
 
 def run_ssd_bench(s: SsdSettings, directory: os.PathLike | str, notes: Sequence[str] = (),
-                  progress: Optional[Callable[[str, int], None]] = None, trace: bool = False) -> Dict[str, Any]:
+                  progress: Optional[Callable[[str, int], None]] = None, trace: bool = False,
+                  budget_s: Optional[float] = None) -> Dict[str, Any]:
     """Runs ``bench --tier ssd`` with its table file in ``directory`` (which the caller
     removes); returns the report (``F["ssd"]`` of ``--json F``, see the module docstring).
-    ``progress(description, runs_done)`` is called as it goes; ``trace`` keeps the first
-    round's timeline events of ``reactive``, ``depth_1`` and the fastest configuration
-    (``report["_events"]``, not JSON)."""
-    say = progress or (lambda desc, done: None)
-    t_start = time.perf_counter()
-    separate = disk_depth_supported()
-    g = Geometry.of(s)
-    optim = _optimizer(s)
-    configs = configs_for(s, separate)
-    work = _Workload(s, g.rows)
-    checks: List[Dict[str, Any]] = []
-    runs: Dict[str, List[Dict[str, Any]]] = {c.name: [] for c in configs}
-    events: Dict[str, List[Dict[str, Any]]] = {}
-    run_index = 0
-    deepest = max(configs, key=lambda c: (c.lookahead, c.depth))
-    dram_cfg: Optional[SsdConfig] = None
-    disk = dram = None
-    say("making the initial weights", 0)
-    init = _initial_weights(g.rows, g.dim, s.seed)
-    try:
-        say(f"writing the table file ({g.file_bytes / GB:.2f} GB)", 0)
-        disk = TieredTable.on_disk("t", g.rows, g.dim, optim, num_slots=g.device_cache_rows, directory=directory,
-                                   host_cache_bytes=s.host_cache_bytes, initial_weight=init, io_threads=s.io_threads)
-        dram = TieredTable("t", init, optim, num_slots=g.device_cache_rows)  # (trains init in place from here)
-        del init
-        file = disk.disk.file
-        watch = _DiskWatch(disk.disk)
-        say("probing the disk", 0)
-        probe = _probe_disk(file, s.io_threads, 0.2 if s.quick else 1.5, s.seed)
-        say("warming the caches with the most popular rows", 0)
-        leave = (deepest.lookahead + 2) * s.ids_per_step
-        _prefill(disk, dram, work, g, leave)
-        check_rng = np.random.default_rng([s.seed, 3])
-        # One untimed run on both tables: dirty rows and LRU order as in a running job.
-        say("warm-up run", 0)
-        warm_batches = work.batches(run_index, s.warmup_steps + s.timed_steps)
-        _replay(disk, warm_batches, deepest, separate)
-        _replay(dram, warm_batches, deepest, separate)
-        checks.append({"run": "warm-up", "identical": _check_rows(disk, dram, warm_batches, check_rng)})
-        run_index += 1
-        setup_s = time.perf_counter() - t_start
-        done = 0
+
+    ``progress(description, runs_done)`` is called as it goes. ``trace`` keeps the first
+    round's timeline events (``report["_events"]``, not JSON: :func:`write_ssd_timeline`).
+    ``budget_s``: past ``MIN_PAIRED_ROUNDS`` rounds, no round starts that would end the run
+    (its final check included) later than this many seconds after its start."""
+    return _Bench(s, directory, list(notes), progress, trace, budget_s).run()
+
+
+class _Bench:
+    """The state of one ``bench --tier ssd`` run (see :func:`run_ssd_bench`)."""
+
+    def __init__(self, s: SsdSettings, directory: os.PathLike | str, notes: List[str],
+                 progress: Optional[Callable[[str, int], None]], trace: bool, budget_s: Optional[float]) -> None:
+        self.s, self.directory, self.notes, self.trace, self.budget_s = s, directory, notes, trace, budget_s
+        self.say = progress or (lambda desc, done: None)
+        self.separate = disk_depth_supported()
+        self.g = Geometry.of(s)
+        self.configs = configs_for(s, self.separate)
+        self.deepest = max(self.configs, key=lambda c: (c.lookahead, c.depth))
+        self.work = _Workload(s, self.g.rows)
+        self.checks: List[Dict[str, Any]] = []
+        self.runs: Dict[str, List[Dict[str, Any]]] = {c.name: [] for c in self.configs}
+        self.events: Dict[str, List[Dict[str, Any]]] = {}
+        self.phases: Dict[str, float] = {}
+        self.run_index = 0
+        self.done = 0
+        self.rng = np.random.default_rng([s.seed, 3])
+        # A batch set the DRAM table trained timed and the disk table has yet to train: the
+        # next disk run trains it (timed), so neither table replays a dram run's batches.
+        self.shared: Optional[Tuple[List[Any], Dict[str, Any]]] = None
+
+    def _phase(self, name: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - t0
+        return now
+
+    def run(self) -> Dict[str, Any]:
+        s, g = self.s, self.g
+        t_start = time.perf_counter()
+        self.say("making the initial weights", 0)
+        init = _initial_weights(g.rows, g.dim, s.seed)
+        t = self._phase("initial weights", t_start)
+        disk = dram = None
+        try:
+            self.say(f"writing the table file ({g.file_bytes / GB:.2f} GB)", 0)
+            optim = _optimizer(s)
+            disk = TieredTable.on_disk("t", g.rows, g.dim, optim, num_slots=g.device_cache_rows,
+                                       directory=self.directory, host_cache_bytes=s.host_cache_bytes,
+                                       initial_weight=init, io_threads=s.io_threads)
+            dram = TieredTable("t", init, optim, num_slots=g.device_cache_rows)  # (trains init in place)
+            del init
+            self.disk, self.dram = disk, dram
+            file = disk.disk.file
+            self.watch = _DiskWatch(disk.disk)
+            t = self._phase("writing the table file", t)
+            self.say("probing the disk", 0)
+            probe = _probe_disk(file, s.io_threads, 0.2 if s.quick else 1.5, s.seed)
+            t = self._phase("disk probe", t)
+            self.say("warming the caches with the most popular rows", 0)
+            _prefill(disk, dram, self.work, g, (self.deepest.lookahead + 2) * s.ids_per_step)
+            # One untimed run on both tables: dirty rows and LRU order as in a running job.
+            self.say("warm-up run", 0)
+            batches = self.work.batches(self._next_index(), s.warmup_steps + s.timed_steps)
+            _replay(disk, batches, self.deepest, self.separate)
+            _replay(dram, batches, self.deepest, self.separate)
+            self.checks.append({"run": "warm-up", "identical": _check_rows(disk, dram, batches, self.rng)})
+            t = self._phase("warm caches", t)
+            dram_cfg = self._rounds(t_start)
+            t = time.perf_counter()
+            self.say("comparing every row of the two tables", self.done)
+            every_row = _check_file(disk, dram)
+            self._phase("comparing every row", t)
+            o_direct, fallback = bool(file.o_direct), file.fallback_reason
+            table_bytes, host_bytes = int(file.size), int(disk.disk.num_slots * disk.disk.record)
+        finally:
+            for table in (disk, dram):
+                if table is not None:
+                    table.close()
+        report = _report(s, g, self.configs + [dram_cfg], self.runs, self.checks, every_row, self.separate, probe,
+                         self.notes)
+        report.update(table_bytes=table_bytes, host_cache_bytes=host_bytes, o_direct=o_direct,
+                      o_direct_fallback=fallback, wall_s=time.perf_counter() - t_start, phases_s=self.phases,
+                      rounds_asked=s.rounds, dram_depth=dram_cfg.depth, timed_from_outside=self.watch.timed)
+        if self.trace:
+            report["_events"] = _picked_events(self.events, report)
+        return report
+
+    def _next_index(self) -> int:
+        self.run_index += 1
+        return self.run_index - 1
+
+    def _rounds(self, t_start: float) -> SsdConfig:
+        """Every round: every configuration once, in rotated order (the first round: the disk
+        configurations, then dram at the fastest one's depth). Returns dram's configuration."""
+        s = self.s
+        dram_cfg: Optional[SsdConfig] = None
+        # (the final check reads the file once, as writing it read and wrote it)
+        final = 0.6 * self.phases.get("writing the table file", 0.0)
         for r in range(s.rounds):
+            t_round = time.perf_counter()
             if r == 0:
-                order = list(configs)  # dram joins at the end of the first round, at the fastest's depth
+                order = list(self.configs)
             else:
-                order = list(configs) + [dram_cfg]  # type: ignore[list-item]
+                order = list(self.configs) + [dram_cfg]  # type: ignore[list-item]
                 order = order[r % len(order):] + order[:r % len(order)]
             for cfg in order:
-                _one_run(cfg, r, s, disk, dram, work, run_index, watch, separate, deepest, runs, checks, events,
-                         trace and r == 0, check_rng, say, done)
-                run_index += 1
-                done += 1
+                self._one_run(cfg, r)
             if r == 0:
-                fastest = max(configs, key=lambda c: _run_rate(runs[c.name][0], s))
+                fastest = max(self.configs, key=lambda c: _run_rate(self.runs[c.name][0], s))
                 dram_cfg = SsdConfig("dram", fastest.depth, None, tier="dram")
-                runs["dram"] = []
-                _one_run(dram_cfg, r, s, disk, dram, work, run_index, watch, separate, deepest, runs, checks,
-                         events, False, check_rng, say, done)
-                run_index += 1
-                done += 1
-        say("comparing every row of the two tables", done)
-        every_row = _check_every_row(disk, dram, chunk=max(1, min(1 << 18, disk.disk.num_slots // 2)))
-        o_direct, fallback = bool(file.o_direct), file.fallback_reason
-        table_bytes, host_bytes = int(file.size), int(disk.disk.num_slots * disk.disk.record)
-    finally:
-        for t in (disk, dram):
-            if t is not None:
-                t.close()
-    assert dram_cfg is not None
-    report = _report(s, g, configs + [dram_cfg], runs, checks, every_row, separate, probe, notes)
-    report.update(table_bytes=table_bytes, host_cache_bytes=host_bytes, o_direct=o_direct, o_direct_fallback=fallback,
-                  setup_s=setup_s, wall_s=time.perf_counter() - t_start, dram_depth=dram_cfg.depth,
-                  timed_from_outside=watch.timed)
-    if trace:
-        report["_events"] = _picked_events(events, report)
-    return report
+                self.runs["dram"] = []
+                self._one_run(dram_cfg, r)
+            now = self._phase("rounds", t_round)
+            per_round = self.phases["rounds"] / (r + 1)
+            if (self.budget_s is not None and r + 1 >= MIN_PAIRED_ROUNDS and r + 1 < s.rounds
+                    and now - t_start + per_round + final > self.budget_s):
+                self.notes.append(f"stopped after {r + 1} of {s.rounds} rounds, to end within the time budget of "
+                                  f"{self.budget_s / 60:.0f} min (a round took {per_round:.0f} s)")
+                break
+        if self.shared is not None:  # (the last run was dram's: the disk table trains its batches too)
+            batches, rec = self.shared
+            self.shared = None
+            _replay(self.disk, batches, self.deepest, self.separate)
+            rec["identical"] = _check_rows(self.disk, self.dram, batches, self.rng)
+            self.checks.append({"run": rec["_name"], "identical": rec["identical"]})
+        assert dram_cfg is not None
+        return dram_cfg
 
+    def _batch_count(self, cfg: SsdConfig) -> int:
+        return self.s.warmup_steps + cfg.lookahead + self.s.timed_steps + max(1, cfg.lookahead)
 
-def _one_run(cfg: SsdConfig, r: int, s: SsdSettings, disk: TieredTable, dram: TieredTable, work: _Workload,
-             run_index: int, watch: _DiskWatch, separate: bool, deepest: SsdConfig,
-             runs: Dict[str, List[Dict[str, Any]]], checks: List[Dict[str, Any]],
-             events: Dict[str, List[Dict[str, Any]]], trace: bool, rng: np.random.Generator,
-             say: Callable[[str, int], None], done: int) -> None:
-    """One timed run of ``cfg`` on its table, the same batches untimed on the other table,
-    and the bit check of the two."""
-    warm = s.warmup_steps + cfg.lookahead
-    batches = work.batches(run_index, warm + s.timed_steps + max(1, cfg.lookahead))
-    say(f"round {r + 1}/{s.rounds}: {cfg.name}", done)
-    timed, other = (disk, dram) if cfg.tier == "disk" else (dram, disk)
-    rec = _timed_run(timed, batches, cfg, s, warm, watch if cfg.tier == "disk" else None, separate, trace)
-    _replay(other, batches, cfg if cfg.tier == "disk" else deepest, separate)
-    rec["identical"] = _check_rows(disk, dram, batches, rng)
-    checks.append({"run": f"round {r + 1} {cfg.name}", "identical": rec["identical"]})
-    if "events" in rec:
-        events[cfg.name] = rec.pop("events")
-    runs[cfg.name].append(rec)
+    def _one_run(self, cfg: SsdConfig, r: int) -> None:
+        """One timed run of ``cfg`` on its table; its batches trained by the other table too
+        (a dram run's by the next disk run, timed), then the bit check of the two."""
+        s = self.s
+        self.say(f"round {r + 1}/{s.rounds}: {cfg.name}", self.done)
+        if cfg.tier == "dram":
+            # Batches for any disk run: the next one trains them (with more warm-up steps
+            # when it is shallower than the deepest).
+            batches = self.work.batches(self._next_index(), self._batch_count(self.deepest))
+            warm = len(batches) - s.timed_steps - max(1, cfg.lookahead)
+            rec = _timed_run(self.dram, batches, cfg, s, warm, None, self.separate, False)
+            rec["_name"] = f"round {r + 1} {cfg.name}"
+            self.shared = (batches, rec)
+            self.runs[cfg.name].append(rec)
+            self.done += 1
+            return
+        shared, self.shared = self.shared, None
+        batches = shared[0] if shared else self.work.batches(self._next_index(), self._batch_count(cfg))
+        warm = len(batches) - s.timed_steps - max(1, cfg.lookahead)
+        rec = _timed_run(self.disk, batches, cfg, s, warm, self.watch, self.separate, self.trace and r == 0)
+        if shared is None:
+            _replay(self.dram, batches, cfg, self.separate)
+        rec["identical"] = _check_rows(self.disk, self.dram, batches, self.rng)
+        self.checks.append({"run": f"round {r + 1} {cfg.name}", "identical": rec["identical"]})
+        if shared is not None:  # (the dram run of the same batches: checked by the same comparison)
+            shared[1]["identical"] = rec["identical"]
+            self.checks.append({"run": shared[1]["_name"], "identical": rec["identical"]})
+        if "events" in rec:
+            self.events[cfg.name] = rec.pop("events")
+        self.runs[cfg.name].append(rec)
+        self.done += 1
 
 
 def _run_rate(rec: Dict[str, Any], s: SsdSettings) -> float:
@@ -868,6 +977,15 @@ def _config_report(cfg: SsdConfig, recs: List[Dict[str, Any]], s: SsdSettings) -
             "reads_in_flight": (sum(x["mean"] * r["elapsed_s"] for x, r in zip(reads, recs)) / elapsed)
             if reads else None,
             "reads_in_flight_max": max((x["max"] for x in reads), default=None),
+            # the store's own count: mean over reads of the reads in flight as each started
+            "reads_in_flight_at_start": (tot["reads_in_flight_sum"] / tot["disk_read_requests"])
+            if tot.get("disk_read_requests") and "reads_in_flight_sum" in tot else None,
+            "stage_rows_read_per_step": tot["disk_stage_rows_read"] / steps if "disk_stage_rows_read" in tot else None,
+            # rows a batch's plan still had to read itself (not staged ahead, or not landed)
+            "plan_rows_missed_per_step": tot["disk_plan_rows_missed"] / steps if "disk_plan_rows_missed" in tot
+            else None,
+            "stages_waited": sum(r.get("stages_waited") or 0 for r in recs),
+            "stages_dropped": sum(r.get("stages_dropped") or 0 for r in recs),
             "read_latency_ms": _mean(lat),
             "disk_lead_batches": recs[0]["disk_lead_batches"],
             "disk_lead_ms": _mean([r["disk_lead_ms"] for r in recs if r["disk_lead_ms"] is not None]),
@@ -896,8 +1014,9 @@ def _report(s: SsdSettings, g: Geometry, configs: List[SsdConfig], runs: Dict[st
         "bit_identity": {
             "every_row_at_the_end": every_row, "runs_checked": len(checks),
             "runs_differing": [c["run"] for c in checks if not c["identical"]],
-            "what": "after every run, the rows it touched and 2048 random others; at the end every row "
-                    "(weights and optimizer state, bit for bit, disk table vs the table in DRAM)"},
+            "what": "after every run, the rows it touched and 2048 random others (read through the host cache); "
+                    "at the end every row, read from the table's file (weights and optimizer state, bit for bit, "
+                    "disk table vs the table in DRAM)"},
         "rows": g.rows, "dim": g.dim, "record_bytes": g.record_bytes, "rows_per_page": g.rows_per_page,
         "page_bytes": g.page_bytes, "host_cache_rows": g.host_cache_rows, "device_cache_rows": g.device_cache_rows,
         "device_cache_fraction": s.device_cache_fraction, "optimizer": "exact row-wise Adagrad",
