@@ -336,11 +336,16 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         parent = resolve_directory(next(iter(specs.values())).directory, local_rank)
         scratch = ScratchDirectory(parent, "+".join(dict.fromkeys(t.name for t in tables)), rank)
         try:
-            return cls(config, [], torch.empty(0), options, user_fused_params, engine, pg, device,
-                       sharding_type=sharding_type, disk=_DiskPlace(scratch, host_cache))
+            kernel = cls(config, [], torch.empty(0), options, user_fused_params, engine, pg, device,
+                         sharding_type=sharding_type, disk=_DiskPlace(scratch, host_cache))
         except BaseException:
             scratch.remove()
             raise
+        file = kernel.store.disk.file
+        if not file.o_direct:
+            warnings.warn(f"tables {kernel.table_names()}: {file.fallback_reason} (the page cache then serves "
+                          f"reads: disk timings are not an SSD's)", stacklevel=2)
+        return kernel
 
     @property
     def on_disk_tier(self) -> bool:
