@@ -449,6 +449,7 @@ def _ssd_run(args: argparse.Namespace, tier: Any) -> Dict[str, Any]:
     from tqdm import tqdm
 
     from . import ssd
+    from .tier_dir import MEMORY_FILESYSTEMS, filesystem_of
 
     s = ssd.SsdSettings(table_bytes=int(args.table_gb * ssd.GB), host_cache_bytes=int(args.host_cache_mb * ssd.MB),
                         dim=args.dim, ids_per_step=args.ids_per_step, zipf_alpha=args.zipf_alpha,
@@ -465,6 +466,10 @@ def _ssd_run(args: argparse.Namespace, tier: Any) -> Dict[str, Any]:
         raise _SsdUsage(f"--ssd-depths {','.join(uneven)}: this store's lookahead has no disk depth of its own yet "
                         f"(the disk hop is as deep as the host->device hop): give K:K")
     s, notes = ssd.fit_to_machine(s, tier.free_bytes())
+    fs = filesystem_of(tier.path)
+    if fs in MEMORY_FILESYSTEMS:
+        notes.append(f"the tier directory {tier.path} is on {fs}: the table's file lives in memory, so these figures "
+                     f"measure memory, not a disk (give --tier-dir on a disk)")
     for n in notes:
         _say(f"note: {n}")
     configs = ssd.configs_for(s, separate)
@@ -474,8 +479,10 @@ def _ssd_run(args: argparse.Namespace, tier: Any) -> Dict[str, Any]:
             bar.set_description(f"ssd: {what}")
             bar.update(done - bar.n)
 
-        return ssd.run_ssd_bench(s, tier.path, notes, progress=progress, trace=bool(args.timeline),
-                                 budget_s=60 * args.time_budget_min)
+        report = ssd.run_ssd_bench(s, tier.path, notes, progress=progress, trace=bool(args.timeline),
+                                   budget_s=60 * args.time_budget_min)
+    report["filesystem"] = fs
+    return report
 
 
 def _write_json(path: Optional[Path], doc: Dict[str, Any]) -> None:

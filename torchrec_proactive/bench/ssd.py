@@ -1076,6 +1076,19 @@ def _diagnosis(report: Dict[str, Any]) -> List[str]:
     if probe.get("reads_per_s_many"):
         line += f": {100 * best['disk_reads_per_s'] / probe['reads_per_s_many']:.0f}% of the probe's reads/s"
     lines.append(line)
+    dram = next((c for c in report["configs"] if c["name"] == "dram"), None)
+    if dram is not None and best.get("disk_reads_per_step"):
+        steps_per_s = dram["samples_per_s"] / report["samples_per_step"]
+        need = best["disk_reads_per_step"] * steps_per_s
+        lines.append(f"dram's pace ({steps_per_s:.1f} steps/s) would need {need:.0f} disk reads/s at best's "
+                     f"{best['disk_reads_per_step']:.0f} reads a step; "
+                     + (f"more than the probe's {probe['reads_per_s_many']:.0f} at {probe['in_flight']} in flight: "
+                        f"this disk cannot give it" if need > probe["reads_per_s_many"] else
+                        f"within the probe's {probe['reads_per_s_many']:.0f} at {probe['in_flight']} in flight"))
+    if best["plan_ms"] > best["stall_ms"]:
+        lines.append(f"best's training thread spends more on its own disk-tier work ({best['plan_ms']:.2f} ms/step: "
+                     f"planning, staging, bookkeeping, sharing the cores and the GIL with {report['io_threads']} I/O "
+                     f"threads) than waiting for rows ({best['stall_ms']:.2f} ms/step)")
     return lines
 
 
@@ -1104,7 +1117,8 @@ def format_ssd_summary(report: Dict[str, Any]) -> str:
         f"{r['table_bytes'] / max(1, r['host_cache_bytes']):.1f}x its {host_mb:.0f} MB host cache; device cache "
         f"{r['device_cache_fraction']:.0%} ({r['device_cache_rows']:,} rows)",
         f"disk: {'O_DIRECT' if r['o_direct'] else 'NO O_DIRECT - ' + str(r['o_direct_fallback'])}, "
-        f"{r['io_threads']} reads in flight at most, under {r.get('tier_dir', '?')}",
+        f"{r['io_threads']} reads in flight at most, under {r.get('tier_dir', '?')}"
+        + (f" ({r['filesystem']})" if r.get("filesystem") else ""),
         f"workload: {r['ids_per_step']} Zipf({r['zipf_alpha']:g}) ids a step (one per sample), the device's step "
         f"EMULATED by a {r['step_ms_emulated']:g} ms sleep; {r['timed_steps']} timed steps x {r['rounds']} round(s) "
         f"per configuration; dram at depth {r['dram_depth']}",

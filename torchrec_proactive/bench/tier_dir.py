@@ -15,7 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
-__all__ = ["TierDirError", "TierDir", "terminate_as_interrupt"]
+__all__ = ["TierDirError", "TierDir", "terminate_as_interrupt", "filesystem_of", "MEMORY_FILESYSTEMS"]
+
+#: Filesystems that keep files in memory: a table file there measures memory, not a disk.
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
 
 OPTION = "--tier-dir"
 
@@ -85,6 +88,25 @@ class TierDir:
     def free_bytes(self) -> int:
         """Bytes free on the directory's filesystem (for the user, not root)."""
         return shutil.disk_usage(self.path).free
+
+
+def filesystem_of(path: os.PathLike | str) -> Optional[str]:
+    """The type of the filesystem holding ``path`` (``/proc/mounts``: the longest mount point
+    above it), or None where that cannot be read."""
+    target = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        return None
+    return kind
 
 
 @contextmanager
