@@ -44,11 +44,10 @@ from 6 rounds on, rates and ratios get 95% intervals from the per-round figures
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
