@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from torchrec_proactive.bench.cache_replay import replay, replay_table, zipf_fill, zipf_id_stream
-from torchrec_proactive.bench.hardware import PROFILES, collective_bandwidth, profile_named
+from torchrec_proactive.model.hardware import PROFILES, collective_bandwidth, profile_named
 from torchrec_proactive.bench.scaling_study import (
     CALIBRATION,
     CALIBRATION_TARGET,
@@ -32,7 +32,7 @@ from torchrec_proactive.bench.scaling_study import (
     verdicts,
     write_study,
 )
-from torchrec_proactive.bench.step_model import (DLRMShape, StageCosts, expected_max, gpu_stage_costs, step_s,
+from torchrec_proactive.model.step_model import (DLRMShape, StageCosts, expected_max, gpu_stage_costs, step_s,
                                                   straggler_factor, window_means)
 
 MS = 1e-3

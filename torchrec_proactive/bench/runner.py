@@ -305,9 +305,9 @@ def _sweep(args: argparse.Namespace, settings: Any, summary: Any) -> int:
 
 def _study_settings(args: argparse.Namespace) -> Any:
     """The projection's inputs from the command line (model shape, profiles, bandwidths, trace)."""
-    from .hardware import PROFILES, profile_named
+    from ..model.hardware import PROFILES, profile_named
     from .scaling_study import StudySettings, check_trace
-    from .step_model import DLRMShape
+    from ..model.step_model import DLRMShape
 
     profiles = tuple(profile_named(n) for n in args.scaling_profile) if args.scaling_profile else PROFILES
     if args.scaling_trace is not None and not args.scaling_trace.is_file():

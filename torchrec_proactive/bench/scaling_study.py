@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .cache_replay import CachePoint, criteo_id_stream, replay, zipf_fill, zipf_id_stream
-from .hardware import PROFILES, HardwareProfile
-from .step_model import DLRMShape, StageCosts, gpu_stage_costs, step_s, straggler_factor
+from ..model.hardware import PROFILES, HardwareProfile
+from ..model.step_model import DLRMShape, StageCosts, gpu_stage_costs, step_s, straggler_factor
 
 __all__ = ["StudySettings", "validate", "workload_figures", "project", "verdicts", "write_study",
            "PAPER_CLAIM", "PAYS_ABOVE"]
@@ -45,8 +45,6 @@ PAPER_CLAIM = ("Cho et al., IEEE CAL 2024: proactive fetching of cold rows speed
                "average over reactive fetching, and scales better with more GPUs")
 #: A speed-up below this is "does not pay" (within what a step's noise hides).
 PAYS_ABOVE = 1.05
-#: Bench configurations the validation models (the 5% cache; depth from the name).
-_VALIDATED = ("reactive", "depth_")
 
 
 @dataclass(frozen=True)
@@ -553,7 +551,7 @@ def verdicts(rows: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
 
 #: The files whose code computes the validation and the projection: the fixture records their
 #: hash, and tests/test_scaling_model.py fails when they change without regenerating it.
-MODEL_SOURCES = ("step_model.py", "scaling_study.py", "hardware.py", "cache_replay.py")
+MODEL_SOURCES = ("model/step_model.py", "bench/scaling_study.py", "model/hardware.py", "bench/cache_replay.py")
 FIXTURE_COMMAND = "python -m torchrec_proactive.bench.scaling_study fixture [projection.json]"
 
 
@@ -561,7 +559,7 @@ def model_source_hash() -> str:
     """sha256 over :data:`MODEL_SOURCES` (their bytes, in that order)."""
     h = hashlib.sha256()
     for name in MODEL_SOURCES:
-        h.update((Path(__file__).parent / name).read_bytes())
+        h.update((Path(__file__).parents[1] / name).read_bytes())
     return h.hexdigest()
 
 

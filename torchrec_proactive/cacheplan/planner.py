@@ -8,7 +8,7 @@ goes in through the planner's extension points (its estimator list), not a copy 
 
 * :class:`ProactivePerfEstimator`: TorchRec's perf estimate, with a cached shard's
   ``prefetch_compute`` (the copy of its missing rows) cut to the part the step model
-  (:func:`~torchrec_proactive.bench.step_model.step_s`) cannot hide behind the shard's own
+  (:func:`~torchrec_proactive.model.step_model.step_s`) cannot hide behind the shard's own
   communication and compute of the ``k`` batches ahead; at depth 0 it is all charged.
 * :class:`ProactiveStorageEstimator`: TorchRec's storage estimate of a cache never below the
   rows the ``k + 1`` batches in flight pin (the curve's ``pinned_rows``).
@@ -56,7 +56,7 @@ from torchrec.distributed.planner.types import (KernelConfig, PlannerError, Shar
                                                 TopologyFactory, TrainerConfig)
 from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingPlan
 
-from ..bench.step_model import StageCosts, step_s
+from ..model.step_model import StageCosts, step_s
 from ..integration.options import ProactiveOptions
 from ..planning import find_ebcs, planner_warnings
 from .curve import MissRatioCurve
