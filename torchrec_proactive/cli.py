@@ -8,6 +8,7 @@ examples:
   torchrun --nproc_per_node 8 -m torchrec_proactive.cli train experiment=kaggle_proactive data.root=/data/criteo
   torchrec-proactive compare --nproc 2
   torchrec-proactive bench --quick
+  torchrec-proactive bench --tier ssd --json ssd.json --timeline ssd/
 
 train and compare are Hydra applications over the packaged configs (conf/ in the
 repository): overrides, -m sweeps, --cfg, --info, --config-dir (see `train --help`).

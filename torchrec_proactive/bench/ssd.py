@@ -38,7 +38,24 @@ every timed step has its pipeline full. The rate of a run is its timed samples o
 timed steps' wall time (throughput: a disk that falls behind stalls some steps, and the
 median step would hide them). Rounds run every configuration once, in rotated order;
 from 6 rounds on, rates and ratios get 95% intervals from the per-round figures
-(``noise.py``), fewer rounds give none and no verdicts.
+(``noise.py``), fewer rounds give none and no verdicts. Past 6 rounds, rounds stop where the
+next would end the run after ``--time-budget-min``.
+
+JSON (``--json F``: ``F["ssd"]``): ``table_bytes``, ``host_cache_bytes``, ``o_direct`` (and
+``o_direct_fallback``: what was used instead), ``bit_identical`` (and ``bit_identity``: what
+was compared, runs that differed), the workload (``rows``, ``dim``, ``ids_per_step``,
+``step_ms_emulated``, ...), ``disk_probe``, ``best``, ``ratios`` (best / depth_1, reactive,
+dram: value, interval, verdict), ``targets`` (met: true / false / null = not judged),
+``notes``, ``phases_s`` and ``configs``: per configuration ``name``, ``depth`` (host->device),
+``disk_depth``, ``samples_per_s`` with ``samples_per_s_interval`` (null under 6 rounds) and
+``samples_per_s_rounds``, ``stall_ms`` (per step) and ``stall_ms_by_phase`` (disk / copy),
+``plan_ms``, ``disk_rows_per_step``, ``disk_reads_per_step``, ``disk_reads_per_s``,
+``mb_per_s``, ``reads_in_flight`` (time mean) / ``reads_in_flight_max`` /
+``reads_in_flight_at_start`` (the store's mean over reads), ``read_latency_ms``, each hop's
+lead (``lead_batches`` / ``lead_ms``: host->device; ``disk_lead_batches`` /
+``disk_lead_ms``: disk reads queued ahead of use; ``disk_ready_before_use_ms``: landed ahead
+of use), hit rates, ``bit_identical``; ``best`` repeats the fastest disk configuration's
+figures (``best_of`` names it).
 """
 
 from __future__ import annotations
@@ -867,8 +884,9 @@ class _Bench:
                 self._one_run(dram_cfg, r)
             now = self._phase("rounds", t_round)
             per_round = self.phases["rounds"] / (r + 1)
+            # (a round may take longer than the mean so far: some margin)
             if (self.budget_s is not None and r + 1 >= MIN_PAIRED_ROUNDS and r + 1 < s.rounds
-                    and now - t_start + per_round + final > self.budget_s):
+                    and now - t_start + 1.2 * per_round + final > self.budget_s):
                 self.notes.append(f"stopped after {r + 1} of {s.rounds} rounds, to end within the time budget of "
                                   f"{self.budget_s / 60:.0f} min (a round took {per_round:.0f} s)")
                 break
