@@ -225,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tier", choices=("dram", "ssd"), default="dram",
                    help="dram: the bench above (every table's host tier in DRAM); ssd: one table whose rows live in a "
                         "file on disk behind a host cache, at depths 0, 1 and --ssd-depths against the same table in "
-                        "DRAM (JSON key ssd; bench/ssd.py); with --quick a tiny table, seconds, no claims")
+                        "DRAM (JSON key ssd; bench/ssd.py); with --quick a tiny table, seconds, no claims. It reads "
+                        "--dim, --zipf-alpha, --cache-load-factor (the device cache), --warmup, --steps, --rounds, "
+                        "--json and --timeline too")
     t.add_argument("--tier-dir", type=Path, default=None, metavar="DIR",
                    help="--tier ssd: where the table's file goes (in a new subdirectory, removed afterwards; DIR is "
                         "created when missing); default: a new directory under the system's temporary directory")
@@ -236,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--tier ssd: the host cache (DRAM) in front of the file; the table should be at least 4x it")
     t.add_argument("--ssd-depths", type=depth_pairs, default=None, metavar="K:KD,...",
                    help="--tier ssd: deeper configurations besides reactive and depth_1, each host->device depth K "
-                        "and disk depth KD (K alone: K:K); default: 2:2,4:4,8:8, or 2:4,2:8,4:8,4:16 where the "
-                        "store's lookahead takes a disk depth of its own")
+                        "and disk depth KD (K alone: K:K); default: 1:4,2:8,4:16 (2:2,4:4,8:8 on a store whose "
+                        "lookahead has no disk depth of its own)")
     t.add_argument("--ids-per-step", type=int_at_least(1), default=4096, metavar="N",
                    help="--tier ssd: Zipf ids a step (one per sample; --zipf-alpha), as the default bench's 8 tables "
                         "x 512 samples")
