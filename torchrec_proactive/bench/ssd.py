@@ -24,8 +24,8 @@ rows by a fixed random permutation, so hot rows lie all over the file as hashed 
 
 Method. Two tables live through the whole run, one on disk and one in DRAM, so that their
 caches are in a steady state rather than cold at every configuration: before the rounds
-the host cache is filled with the most popular rows and both device caches with the most
-popular of those (as after a long run), then one untimed run warms them. Every run trains
+both device caches are filled with the most popular rows and the host cache with the next
+most popular (as after a long run), then one untimed run warms them. Every run trains
 a fresh set of batches (a batch set never comes twice, so no configuration finds the
 previous one's rows cached); the other table then trains the same batches untimed, so the
 two tables always hold the same training history. After every run the rows it touched
@@ -710,25 +710,18 @@ def _check_file(disk: TieredTable, dram: TieredTable, chunk_pages: int = 4096) -
 # warm caches and the disk's own figures
 
 
-def _prefill(disk: TieredTable, dram: TieredTable, work: _Workload, g: Geometry, leave: int) -> None:
-    """Caches as after a long run: the host cache holds the most popular rows (all but
-    ``leave`` of its rows), each device cache the most popular ones it can."""
-    tier = disk.disk
-    n = max(0, min(tier.num_slots, g.rows) - leave)
-    hot = work.hottest(n)
-    for a in range(0, n, 1 << 16):
-        ticket = tier.prefetch(hot[a:a + (1 << 16)])
-        try:
-            tier.wait(ticket)
-        finally:
-            tier.release(ticket)
-    m = max(0, min(g.device_cache_rows, g.rows) - leave)
+def _prefill(disk: TieredTable, dram: TieredTable, work: _Workload, g: Geometry) -> None:
+    """Caches as after a long run: each device cache holds the most popular rows, the host
+    cache the next most popular (a row the device cache keeps is not looked up in the host
+    cache, whose LRU lets it go). Each cache is filled from its coldest rows to its hottest,
+    so that the hottest are the most recently used and the last evicted."""
+    m = min(g.device_cache_rows, g.rows)
     chunk = max(1, g.device_cache_rows // 2)
     for table in (disk, dram):
         engine = FetchEngine()
         try:
-            for a in range(0, m, chunk):
-                rows = torch.from_numpy(np.sort(work.hottest(m)[a:a + chunk]))
+            for hi in range(m, 0, -chunk):
+                rows = torch.from_numpy(np.sort(work.hottest(hi)[max(0, hi - chunk):]))
                 plan = table.plan(rows)
                 try:
                     engine.run([plan])
@@ -736,6 +729,15 @@ def _prefill(disk: TieredTable, dram: TieredTable, work: _Workload, g: Geometry,
                     table.release(plan)
         finally:
             engine.close()
+    tier = disk.disk
+    ranks = work.hottest(min(g.rows, m + tier.num_slots))[m:]
+    step = max(1, min(1 << 16, tier.num_slots // 2))
+    for hi in range(ranks.size, 0, -step):
+        ticket = tier.prefetch(ranks[max(0, hi - step):hi])
+        try:
+            tier.wait(ticket)
+        finally:
+            tier.release(ticket)
 
 
 def _probe_disk(file: Any, in_flight: int, seconds: float, seed: int = 0) -> Dict[str, Any]:
@@ -829,7 +831,7 @@ class _Bench:
             probe = _probe_disk(file, s.io_threads, 0.2 if s.quick else 1.5, s.seed)
             t = self._phase("disk probe", t)
             self.say("warming the caches with the most popular rows", 0)
-            _prefill(disk, dram, self.work, g, (self.deepest.lookahead + 2) * s.ids_per_step)
+            _prefill(disk, dram, self.work, g)
             # One untimed run on both tables: dirty rows and LRU order as in a running job.
             self.say("warm-up run", 0)
             batches = self.work.batches(self._next_index(), s.warmup_steps + s.timed_steps)
@@ -1138,7 +1140,8 @@ def format_ssd_summary(report: Dict[str, Any]) -> str:
         + (f" ({r['filesystem']})" if r.get("filesystem") else ""),
         f"workload: {r['ids_per_step']} Zipf({r['zipf_alpha']:g}) ids a step (one per sample), the device's step "
         f"EMULATED by a {r['step_ms_emulated']:g} ms sleep; {r['timed_steps']} timed steps x {r['rounds']} round(s) "
-        f"per configuration; dram at depth {r['dram_depth']}",
+        f"per configuration; dram at depth {r['dram_depth']}; caches warm (filled by popularity: the device's with "
+        f"the hottest rows, the host's with the next, then an untimed run)",
     ]
     if not r["disk_depth_separate"]:
         lines.append("the store's lookahead has no separate disk depth yet: the disk hop is as deep as the "
