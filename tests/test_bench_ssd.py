@@ -139,3 +139,20 @@ def test_the_bit_checks_can_fail(tmp_path):
         assert not ssd._check_file(disk, dram)
     finally:
         disk.close()
+
+
+def test_six_rounds_give_intervals_and_judge_the_targets(tmp_path):
+    out = tmp_path / "out.json"
+    proc = bench("--quick", "--rounds", "6", "--ids-per-step", "64", "--steps", "4", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ssd = json.loads(out.read_text())["ssd"]
+    assert ssd["rounds"] == 6 and ssd["bit_identical"] is True
+    for c in ssd["configs"]:
+        lo, hi = c["samples_per_s_interval"]
+        assert lo <= c["samples_per_s"] <= hi and len(c["samples_per_s_rounds"]) == 6
+    judged = [t for t in ssd["targets"] if t["ratio"]]
+    assert all(isinstance(t["met"], bool) and t["interval"] for t in judged), judged
+    for t in judged:  # each verdict follows from its figures
+        want = t["interval"][1] >= t["threshold"] if t["ratio"] == "best_vs_dram" else t["value"] >= t["threshold"]
+        assert t["met"] == want, t
+        assert ("target " + t["target"] + ": " + ("MET" if t["met"] else "NOT MET")) in proc.stdout
