@@ -59,3 +59,16 @@ def test_a_run_on_ssd_resumes_with_another_host_cache(tmp_path: Path) -> None:
     assert straight.rc == 0, straight
     a, b = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("a", "b"))
     assert a["steps"] == b["steps"] and a["train_loss"] == b["train_loss"], (a, b)
+
+
+@pytest.mark.multiprocess
+def test_a_host_cache_too_small_for_the_depths_names_tier_host_cache_mb(tmp_path: Path) -> None:
+    """A host cache that cannot hold the rows of the batches in flight: one line in config
+    words, exit 2 (not the store's parameter names, not a traceback)."""
+    run = cli("train", "--nproc", "1", "experiment=ci_tiny", "tier=ssd", f"tier.dir={tmp_path / 'nvme'}",
+              "tier.host_cache_mb=0.0005", "train.eval=false", "train.max_steps=4",
+              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
+    assert run.rc == 2, run
+    (line,) = [ln for ln in run.err.splitlines() if "error" in ln.lower() and "tier.host_cache_mb" in ln]
+    assert "tier.host_cache_mb=0.0005 is too small" in line and "raise tier.host_cache_mb" in line, line
+    assert "Traceback" not in run.err, run

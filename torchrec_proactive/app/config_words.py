@@ -8,6 +8,7 @@ translation lives here, below both of them.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .errors import ConfigError
@@ -46,3 +47,24 @@ def capacity_error(cfg: Any, e: Exception) -> ConfigError:
                            f"{lower}")
     fixes = "raise cache.load_factor" + (", set cache.fit_depth=true" if not cfg.cache.fit_depth else "") + lower
     return ConfigError(f"cache.load_factor={cfg.cache.load_factor:g} is too small for {depth}: {detail}; {fixes}")
+
+
+def host_cache_error(cfg: Any, e: Exception) -> ConfigError:
+    """A host cache (``tier=ssd``) too small for the batches in flight, in config words: the
+    store says how many rows and bytes it needs; the user sets ``tier.host_cache_mb`` (per
+    table shard) and the depths."""
+    depth = f"prefetch.depth={cfg.prefetch.capacity_depth}"
+    if cfg.tier.disk_depth is not None:
+        depth += f" and tier.disk_depth={cfg.tier.disk_depth}"
+    text = str(e)
+    # The store sizes one host cache per group of tables ('t_a+t_b'); the config sizes each
+    # table's share: say what each share needs.
+    need = re.search(r"\((\d+) bytes\)", text)
+    table = re.search(r"table '([^']+)'", text)
+    each = ""
+    if need and table:
+        tables = len(table.group(1).split("+"))
+        mib = int(need.group(1)) / tables / 2**20
+        each = f" (at least {mib:.3g} per table shard" + (f", {tables} tables in this group)" if tables > 1 else ")")
+    return ConfigError(f"tier.host_cache_mb={cfg.tier.host_cache_mb:g} is too small for {depth}: {text}; raise "
+                       f"tier.host_cache_mb{each} or lower the depths")

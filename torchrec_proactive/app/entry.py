@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
 from .compose import compose_config
-from .config_words import capacity_error, in_config_words
+from .config_words import capacity_error, host_cache_error, in_config_words
 from ..quiet import quiet_third_party
 from .errors import UserError
 
@@ -60,6 +60,8 @@ def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
     """
     quiet_third_party()
     from ..store import CacheCapacityError
+    from ..store.disk_host_tier import HostCacheCapacityError
+    from ..store.row_file import DiskTierError
 
     extra = (rank_overrides or {}).get(rank, [])
     cfg = _agree_output_dir(compose_config(list(overrides) + list(extra), config_dir), overrides)
@@ -80,8 +82,12 @@ def rank_main(rank: int, world_size: int, mode: str, overrides: Sequence[str],
                 from .cache_plan import run_profile
 
                 return run_profile(cfg)
+        except HostCacheCapacityError as e:
+            raise host_cache_error(cfg, e) from e
         except CacheCapacityError as e:
             raise capacity_error(cfg, e) from e
+        except DiskTierError as e:  # one line naming the table and its file (tier=ssd)
+            raise UserError(str(e)) from e
     raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
 
 
