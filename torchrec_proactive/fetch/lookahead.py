@@ -151,7 +151,9 @@ def run_lookahead(
                 stage_upto(i + disk_depth)
             # Issue, in order, every batch up to i + depth that fits; batch i itself is issued
             # at its use at the latest, with overflow (nothing after it is issued yet).
-            while next_to_issue <= min(i + depth, n - 1):
+            while next_to_issue <= min(i + depth, n - 1) and not (engine.failed and in_flight):
+                # (after a failed fetch nothing more is planned until the next wait rolled it
+                # back: a plan on top of it would count its rows as resident)
                 if not issue(next_to_issue, overflow=next_to_issue == i):
                     break
                 next_to_issue += 1

@@ -42,8 +42,8 @@ order it keeps:
   first) takes its new row only after it landed (``slot_deps``).
 
 Faults: a failed request is one ``DiskTierError`` naming the table and the file. A ticket
-whose read failed raises it at ``wait`` and the rows it was to read are unmapped (read again
-next time). A dirty record whose write failed stays in DRAM as an *orphan*: the next
+whose read failed raises it at ``wait`` and the rows that did not arrive are unmapped (read
+again next time). A dirty record whose write failed stays in DRAM as an *orphan*: the next
 prefetch of its row takes it from there (dirty again, written with its next eviction) and
 ``flush`` writes it, so nothing is lost and a retry after the fault is cleared continues
 exactly. A write failure (or a failed read of a batch staged and never waited) is raised by
@@ -103,11 +103,12 @@ class _PageWrite:
     failed, ``failed_seq`` is the last ticket issued before its records became orphans:
     those tickets may have planned to read the rows from the file, which lacks them."""
 
-    __slots__ = ("event", "failed_seq")
+    __slots__ = ("event", "failed_seq", "error")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.failed_seq: Optional[int] = None
+        self.error: Optional[BaseException] = None
 
 
 @dataclass(eq=False)
@@ -127,6 +128,10 @@ class _Run:
     w1: int
     after: List[_PageWrite]
     write: Optional[_PageWrite]
+    # A failed earlier write of its pages that this run's write passes on: the file still
+    # lacks that write's records, so reads by tickets up to its ``failed_seq`` must not
+    # trust the page after this write either.
+    taint: Optional[_PageWrite] = None
 
 
 @dataclass(eq=False)
@@ -218,6 +223,7 @@ class DiskHostTier:
         # counters by the I/O threads: one lock for all of it (held for NumPy ops only).
         self._lock = threading.Lock()
         self._pending: Dict[int, DiskTicket] = {}  # tickets whose reads have not all landed
+        self._active: Dict[int, DiskTicket] = {}  # tickets whose requests have not all ended
         self._failed: List[DiskTicket] = []  # failed tickets not yet forgotten
         self._unreported: List[BaseException] = []  # faults no ``wait`` has raised yet
         self._orphans: Dict[int, np.ndarray] = {}  # row -> its record, when its write failed
@@ -233,7 +239,7 @@ class DiskHostTier:
         self.write_only_rows = self.pages_not_read = self.orphans_taken = self.write_failures = 0
         self.tickets = self.tickets_read = self.rows_read_per_ticket_max = 0
         self.stages = self.stage_rows = self.stage_rows_read = 0
-        self.plan_rows_hit = self.plan_rows_missed = 0
+        self.plan_rows_hit = self.plan_rows_missed = self.faults = 0
         f = self.file
         with f._lock:
             f.reads = f.writes = f.bytes_read = f.bytes_written = f.pages_read = f.pages_written = 0
@@ -275,7 +281,9 @@ class DiskHostTier:
         need = int(np.count_nonzero(miss))
         hit_slots = slots[~miss]
         if need:
-            free = self.pins == 0
+            # Unpinned and holding their value: an orphan read back (dirty) whose read has
+            # not landed has no record to write yet.
+            free = (self.pins == 0) & ~(self.dirty & ~self.valid)
             free[hit_slots] = False
             candidates = np.flatnonzero(free)
             if candidates.size < need:
@@ -371,9 +379,11 @@ class DiskHostTier:
         if ticket.read_rows.size:
             ticket._tasks_left = 1  # (the owner sets the real counts)
             self._pending[ticket.seq] = ticket
+            self._active[ticket.seq] = ticket
         elif ticket.write_rows.size:
             ticket._tasks_left = 1
             ticket._ready.set()  # (nothing to read: ready now, its writes in the background)
+            self._active[ticket.seq] = ticket
         else:
             ticket._ready.set()
             ticket._finished.set()
@@ -503,9 +513,12 @@ class DiskHostTier:
         its write fails again."""
         for pw in run.after:
             pw.event.wait()  # (an earlier request, started before this one: first in, first out)
-            if pw.failed_seq is not None and ticket.seq <= pw.failed_seq and run.r1 > run.r0:
-                raise DiskTierError(f"table '{self.table}': disk tier file {self.file.path}: rows of page "
-                                    f"{run.first} cannot be read, an earlier write of the page failed")
+            if pw.failed_seq is not None and ticket.seq <= pw.failed_seq:
+                if run.r1 > run.r0:
+                    # (the write's own line, so that what went wrong is said wherever it shows)
+                    raise DiskTierError(f"{pw.error} (so page {run.first} was not read after it)")
+                if run.taint is None or pw.failed_seq > run.taint.failed_seq:  # type: ignore[operator]
+                    run.taint = pw
         staging = ticket._staging
         assert staging is not None
         if run.read:
@@ -521,10 +534,14 @@ class DiskHostTier:
             rr = ticket.read_rows[run.r0: run.r1]
             slots = ticket.read_slots[run.r0: run.r1]
             self._records[slots] = view[run.at + rr // rpp - run.first, rr % rpp]
-            self.valid[slots] = True
             from_file = rr.size - (int(np.count_nonzero(np.isin(rr, ticket.write_rows[run.w0: run.w1])))
                                    if run.w1 > run.w0 else 0)
             with self._lock:
+                # Valid only where the slot is still this read's: one given to another row
+                # meanwhile (unstaged, then a victim) gets its value from that row's move,
+                # which waits for this copy (``slot_deps``).
+                mine = (self._filler[slots] == ticket.seq) & (self.slot_row[slots] == rr)
+                self.valid[slots[mine]] = True
                 self.rows_read += from_file
                 ticket._reads_left -= 1
                 if ticket._reads_left == 0 and ticket._read_error is None:
@@ -540,6 +557,8 @@ class DiskHostTier:
         may go), failed or not."""
         if error is None:
             if run is not None and run.write is not None:
+                if run.taint is not None:
+                    run.write.error, run.write.failed_seq = run.taint.error, run.taint.failed_seq
                 run.write.event.set()
             return
         with self._lock:
@@ -547,13 +566,19 @@ class DiskHostTier:
             if w1 > w0:
                 self.write_failures += 1
                 rows = ticket.write_rows[w0:w1]
-                keep = ticket.write_orphan[w0:w1]
+                keep = ticket.write_orphan[w0:w1].copy()
+                # Not a row a later ticket writes (a newer record: it follows this write
+                # on the page, and registers its own should it fail too)...
+                for t in self._active.values():
+                    if t.seq > ticket.seq and t.write_rows.size:
+                        keep &= ~np.isin(rows, t.write_rows)
                 for i in np.flatnonzero(keep).tolist():
                     row = int(rows[i])
                     slot = self.row_slot[row]
-                    # A row cached again since, by a write-only prefetch, has a newer value
-                    # there; by a read, that read follows this write and fails with it.
-                    if slot < 0 or self._filler[slot] != 0:
+                    # ...nor where the cache holds the row's value (an orphan read back
+                    # before its write failed) or will (a write-only row: the caller's newer
+                    # one); a read still to land follows this write and fails with it.
+                    if slot < 0 or (self._filler[slot] != 0 and not self.valid[slot]):
                         self._orphans[row] = ticket.write_records[w0 + i].copy()
             reads = run is None or run.r1 > run.r0
             if reads:
@@ -564,7 +589,8 @@ class DiskHostTier:
             elif ticket._write_error is None:
                 ticket._write_error = error
             if run is not None and run.write is not None:
-                run.write.failed_seq = self._seq
+                run.write.error = error
+                run.write.failed_seq = self._seq  # (>= any taint's: tickets issued so far)
         if run is not None and run.write is not None:
             run.write.event.set()
 
@@ -575,20 +601,26 @@ class DiskHostTier:
                 return
             ticket._staging = None
             ticket._runs = []
+            self._active.pop(ticket.seq, None)
             if ticket._read_error is not None:
+                self.faults += 1
                 self._failed.append(ticket)
-            if ticket._write_error is not None and ticket.kind != "flush":
-                self._unreported.append(ticket._write_error)
+            if ticket._write_error is not None:
+                self.faults += 1
+                if ticket.kind != "flush":
+                    self._unreported.append(ticket._write_error)
         ticket._ready.set()
         ticket._finished.set()
 
     # ------------------------------------------------------------------ waiting
-    def wait(self, ticket: DiskTicket) -> None:
-        """Returns once the ticket's rows are in DRAM. Raises its read error (the rows it
-        was to read are then unmapped, so nothing reads what did not arrive) - or a fault of
-        earlier moves not raised yet (a failed write, a failed read of a batch staged and
-        never waited). Either way the ticket's rows are as if it had not been made, bar its
-        pins (``release`` it)."""
+    def wait(self, ticket: DiskTicket, report_faults: bool = True) -> None:
+        """Returns once the ticket's rows are in DRAM. Raises its read error, or that of a
+        ticket whose reads it waits for - or a fault of earlier moves no wait raised yet (a
+        failed write, a failed read of a batch staged and never waited). Then the rows it
+        was to bring that did not arrive are unmapped (read again next time, so nothing
+        reads what did not arrive); its pins stay until ``release``. ``report_faults``
+        False: only the ticket's own (and its reads') errors are raised, the others wait
+        for the next wait or flush."""
         ticket._ready.wait()
         for d in ticket.slot_deps:
             d._ready.wait()
@@ -596,15 +628,22 @@ class DiskHostTier:
             d._ready.wait()
         error: Optional[BaseException] = ticket._read_error
         failed = [d for d in ticket.deps if d._read_error is not None]
+        if error is None and not failed and not (report_faults and self._unreported):
+            return
         with self._lock:
             if error is None and failed:
                 cause = failed[0]._read_error
                 error = DiskTierError(str(cause))
                 error.__cause__ = cause
-            if error is None and self._unreported:
-                error = self._unreported.pop(0)
+            if error is None and report_faults and self._unreported:
+                # The first fault stands for those behind it (one cause, one line); all are
+                # counted in ``faults``.
+                error, self._unreported = self._unreported[0], []
             if error is None:
                 return
+            # (a failure the sweep queued before this wait came is raised here, once)
+            raised = {id(error), *(id(d._read_error) for d in failed)}
+            self._unreported = [e for e in self._unreported if id(e) not in raised]
             ticket.reported = True
             for d in failed:
                 d.reported = True
@@ -612,13 +651,26 @@ class DiskHostTier:
             self._forget(ticket)
         raise error
 
+    def settle(self) -> List[BaseException]:
+        """Waits until every request issued so far has ended (reads and background writes),
+        and returns the faults among them that no ``wait`` raised (forgetting them: e.g.
+        after a fault was raised, before it is cleared and the run resumed)."""
+        with self._lock:
+            active = list(self._active.values())
+        for t in active:
+            t._finished.wait()
+        with self._lock:
+            self._sweep()
+            faults, self._unreported = self._unreported, []
+        return faults
+
     def _forget(self, ticket: DiskTicket) -> None:
-        """Unmaps the rows the ticket was to bring and did not (reads it made, write-only
-        slots nobody wrote) - only where the slot is still theirs (under the lock)."""
+        """Unmaps the rows the ticket was to bring and did not (reads that did not land,
+        write-only slots nobody wrote) - only where the slot is still theirs (under the
+        lock). Rows that did land stay: other tickets may hit them."""
         s = ticket.read_slots
         if s.size:
-            gone = s[(self._filler[s] == ticket.seq) & (self.slot_row[s] == ticket.read_rows)]
-            self._unmap(gone)
+            self._unmap(s[(self._filler[s] == ticket.seq) & (self.slot_row[s] == ticket.read_rows) & ~self.valid[s]])
         s = ticket.wo_slots
         if s.size:
             self._unmap(s[(self.slot_row[s] == ticket.wo_rows) & ~self.valid[s]])
@@ -707,10 +759,15 @@ class DiskHostTier:
         (they are clean afterwards). Raises a fault of earlier moves not raised yet, or its
         own; the rows it did not write stay dirty (orphans stay orphans)."""
         with self._lock:
+            pending = list(self._pending.values())
+        for t in pending:  # (an orphan read back is dirty before it lands)
+            t._ready.wait()
+        with self._lock:
             self._sweep()
             if self._unreported:
-                raise self._unreported.pop(0)
-            slots = np.flatnonzero(self.dirty & (self.slot_row >= 0))
+                error, self._unreported = self._unreported[0], []
+                raise error
+            slots = np.flatnonzero(self.dirty & self.valid & (self.slot_row >= 0))
             rows = self.slot_row[slots]
             orphans = np.fromiter(self._orphans, dtype=np.int64, count=len(self._orphans))
             records = [self._records[slots]] + ([np.stack([self._orphans.pop(r) for r in orphans.tolist()])]
@@ -768,7 +825,9 @@ class DiskHostTier:
         * ``stages`` / ``stage_rows`` / ``stage_rows_read``: batches staged ahead, their rows,
           the rows they read; ``plan_rows_hit`` / ``plan_rows_missed``: a planned batch's rows
           to read already in DRAM or on their way (read ahead) / read by the plan itself;
-        * ``orphan_rows`` (now), ``orphans_taken``, ``write_failures``."""
+        * ``orphan_rows`` (now: dirty records whose write failed, kept in DRAM),
+          ``orphans_taken`` (served from there since), ``write_failures`` (failed write
+          requests), ``faults`` (tickets that failed)."""
         f = self.file
         return {"rows_read": self.rows_read, "rows_written": self.rows_written, "row_hits": self.row_hits,
                 "row_misses": self.row_misses, "pages_read": f.pages_read, "pages_written": f.pages_written,
@@ -782,7 +841,7 @@ class DiskHostTier:
                 "stages": self.stages, "stage_rows": self.stage_rows, "stage_rows_read": self.stage_rows_read,
                 "plan_rows_hit": self.plan_rows_hit, "plan_rows_missed": self.plan_rows_missed,
                 "orphan_rows": len(self._orphans), "orphans_taken": self.orphans_taken,
-                "write_failures": self.write_failures}
+                "write_failures": self.write_failures, "faults": self.faults}
 
     def close(self, remove: bool = True) -> None:
         """Stops the disk owner (after what is queued) and closes the file (after what is

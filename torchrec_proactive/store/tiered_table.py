@@ -541,11 +541,15 @@ class TieredTable:
 
     def _disk_ready(self, plan: FetchPlan) -> None:
         """Waits until the plan's rows are in the host cache (a plan made without disk moves
-        - flush, refresh - queues them now, in their turn)."""
+        - flush, refresh - queues them now, in their turn; it fails only for its own reads:
+        the fetch engine's flush marks every dirty row clean up front, so a fault of earlier
+        moves must not stop its chunks midway; ``flush_to_disk`` raises it)."""
         if self.disk is None:
             return
         if plan.disk_ticket is None:
-            plan.disk_ticket = self.disk.prefetch(*self._disk_rows(plan))
+            plan.disk_ticket = self.disk.prefetch(*self._disk_rows(plan), kind="bulk")
+            self.disk.wait(plan.disk_ticket, report_faults=False)
+            return
         self.disk.wait(plan.disk_ticket)
 
     def _disk_release(self, plan: FetchPlan, keep_overflow: bool = False) -> None:
