@@ -713,31 +713,40 @@ def _check_file(disk: TieredTable, dram: TieredTable, chunk_pages: int = 4096) -
 def _prefill(disk: TieredTable, dram: TieredTable, work: _Workload, g: Geometry) -> None:
     """Caches as after a long run: each device cache holds the most popular rows, the host
     cache the next most popular (a row the device cache keeps is not looked up in the host
-    cache, whose LRU lets it go). Each cache is filled from its coldest rows to its hottest,
-    so that the hottest are the most recently used and the last evicted."""
+    cache, whose LRU lets it go), the hottest of each the most recently used.
+
+    Rows come off the disk in row order (ranks are spread over the file: in rank order every
+    row would be a read of its own, in row order the pages of a chunk run together), and
+    the LRU order is set afterwards by touching them again, coldest first (hits: no I/O)."""
+    tier = disk.disk
+    step = max(1, min(1 << 16, tier.num_slots // 2))
+
+    def touch(rows: np.ndarray) -> None:
+        for hi in range(rows.size, 0, -step):
+            ticket = tier.prefetch(rows[max(0, hi - step):hi])
+            try:
+                tier.wait(ticket)
+            finally:
+                tier.release(ticket)
+
     m = min(g.device_cache_rows, g.rows)
+    device_rows = work.hottest(m)
+    touch(np.sort(device_rows)[::-1])  # (into the host cache, for the disk table's device fills)
     chunk = max(1, g.device_cache_rows // 2)
     for table in (disk, dram):
         engine = FetchEngine()
         try:
             for hi in range(m, 0, -chunk):
-                rows = torch.from_numpy(np.sort(work.hottest(hi)[max(0, hi - chunk):]))
-                plan = table.plan(rows)
+                plan = table.plan(torch.from_numpy(np.sort(device_rows[max(0, hi - chunk):hi])))
                 try:
                     engine.run([plan])
                 finally:
                     table.release(plan)
         finally:
             engine.close()
-    tier = disk.disk
-    ranks = work.hottest(min(g.rows, m + tier.num_slots))[m:]
-    step = max(1, min(1 << 16, tier.num_slots // 2))
-    for hi in range(ranks.size, 0, -step):
-        ticket = tier.prefetch(ranks[max(0, hi - step):hi])
-        try:
-            tier.wait(ticket)
-        finally:
-            tier.release(ticket)
+    host_rows = work.hottest(min(g.rows, m + tier.num_slots))[m:]
+    touch(np.sort(host_rows)[::-1])
+    touch(host_rows)  # (coldest first: the hottest end up the most recently used)
 
 
 def _probe_disk(file: Any, in_flight: int, seconds: float, seed: int = 0) -> Dict[str, Any]:
