@@ -1058,8 +1058,31 @@ def _report(s: SsdSettings, g: Geometry, configs: List[SsdConfig], runs: Dict[st
                    "rates (ratios: of the per-round ratios, paired), widened to include the figure; none with "
                    f"fewer than {MIN_PAIRED_ROUNDS} rounds"),
     }
+    report["auto_disk_depth"] = _auto_disk_depth(report)
     report["notes"] += _diagnosis(report)
     return report
+
+
+def _auto_disk_depth(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """What the store's automatic choice (``fetch.disk_depth.choose_disk_depth``) makes of
+    this run's figures: ``depth_1``'s read latency, reads per step and step without its
+    stall, and the probe's reads/s at the most reads in flight."""
+    try:
+        from ..fetch.disk_depth import choose_disk_depth
+    except ImportError:  # (a store without it)
+        return None
+    c = next((c for c in report["configs"] if c["name"] == "depth_1"), None)
+    probe = report["disk_probe"]
+    if c is None or not c.get("read_latency_ms") or not probe.get("reads_per_s_many"):
+        return None
+    step_s = max(1e-4, (c["step_ms_mean"] - c["stall_ms"]) / 1e3)
+    choice = choose_disk_depth(c["read_latency_ms"] / 1e3, probe["reads_per_s_many"], c["disk_reads_per_step"],
+                               step_s, depth=1, max_in_flight=report["io_threads"],
+                               host_cache_rows=report["host_cache_rows"], rows_per_step=report["ids_per_step"])
+    return {"disk_depth": choice.disk_depth, "disk_bound": choice.disk_bound, "reads_per_s": choice.reads_per_s,
+            "batch_read_ms": 1e3 * choice.batch_read_s, "stall_ms_per_step": 1e3 * choice.stall_per_step_s,
+            "capped_by": choice.capped_by,
+            "from": "depth_1's read latency, reads a step and step without stall; the probe's reads/s"}
 
 
 def _ratio(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
@@ -1113,6 +1136,12 @@ def _diagnosis(report: Dict[str, Any]) -> List[str]:
                      + (f"more than the probe's {probe['reads_per_s_many']:.0f} at {probe['in_flight']} in flight: "
                         f"this disk cannot give it" if need > probe["reads_per_s_many"] else
                         f"within the probe's {probe['reads_per_s_many']:.0f} at {probe['in_flight']} in flight"))
+    auto = report.get("auto_disk_depth")
+    if auto:
+        lines.append(f"the store's automatic choice on these figures: disk depth {auto['disk_depth']} at depth 1 "
+                     f"(one batch's reads {auto['batch_read_ms']:.0f} ms at {auto['reads_per_s']:.0f} reads/s"
+                     + (f"; disk-bound: about {auto['stall_ms_per_step']:.0f} ms/step of stall whatever the depth"
+                        if auto["disk_bound"] else "") + ")")
     if best["plan_ms"] > best["stall_ms"]:
         lines.append(f"best's training thread spends more on its own disk-tier work ({best['plan_ms']:.2f} ms/step: "
                      f"planning, staging, bookkeeping, sharing the cores and the GIL with {report['io_threads']} I/O "
