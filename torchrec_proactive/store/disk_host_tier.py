@@ -166,6 +166,13 @@ class DiskTicket:
     _tasks_left: int = field(default=0, repr=False)
     _staging: Optional[np.ndarray] = field(default=None, repr=False)
     _runs: List[_Run] = field(default_factory=list, repr=False)
+    # (the owner's per-row indices into the staging; see ``_runs_of``)
+    _view: Optional[np.ndarray] = field(default=None, repr=False)
+    _r_at: Optional[np.ndarray] = field(default=None, repr=False)
+    _r_off: Optional[np.ndarray] = field(default=None, repr=False)
+    _w_at: Optional[np.ndarray] = field(default=None, repr=False)
+    _w_off: Optional[np.ndarray] = field(default=None, repr=False)
+    _r_from_file: Optional[np.ndarray] = field(default=None, repr=False)
 
     def done(self) -> bool:
         return (self._ready.is_set() and all(d._ready.is_set() for d in self.deps)
@@ -227,7 +234,10 @@ class DiskHostTier:
         self._failed: List[DiskTicket] = []  # failed tickets not yet forgotten
         self._unreported: List[BaseException] = []  # faults no ``wait`` has raised yet
         self._orphans: Dict[int, np.ndarray] = {}  # row -> its record, when its write failed
-        self._last_write: Dict[int, _PageWrite] = {}  # page -> its last write (the owner's only)
+        # Per page, its last write: an id into ``_writes`` (-1: none kept). The owner's only.
+        self._page_write = np.full(file.num_pages, -1, dtype=np.int64)
+        self._writes: Dict[int, _PageWrite] = {}
+        self._write_ids = 0
         self.reset_stats()
         self._queue: "queue.Queue[Optional[DiskTicket]]" = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"disk-{self.table}", daemon=True)
@@ -425,7 +435,7 @@ class DiskHostTier:
     def _issue(self, ticket: DiskTicket) -> None:
         """Turns the ticket into page requests (``_Run``) following the earlier writes of
         their pages, and puts them on the file's I/O pool."""
-        if len(self._last_write) > 4096 and ticket.seq % 64 == 0:
+        if len(self._writes) > 4096 and ticket.seq % 64 == 0:
             self._prune_writes(ticket.seq)
         runs = ticket._runs = []
         self._runs_of(ticket, runs)
@@ -443,14 +453,14 @@ class DiskHostTier:
 
     def _prune_writes(self, seq: int) -> None:
         """Forgets the page writes that ended and that no ticket from ``seq`` on follows
-        (the owner only)."""
-        self._last_write = {p: w for p, w in self._last_write.items()
-                            if not w.event.is_set() or (w.failed_seq is not None and seq <= w.failed_seq)}
+        (the owner only; pages naming a forgotten one have none)."""
+        self._writes = {i: w for i, w in self._writes.items()
+                        if not w.event.is_set() or (w.failed_seq is not None and seq <= w.failed_seq)}
 
     def _runs_of(self, ticket: DiskTicket, runs: List[_Run]) -> None:
         """The ticket's requests, into ``runs``: runs of consecutive pages alike (read or
         not, written or not), each following the earlier writes of its pages (the owner
-        only: it alone keeps ``_last_write``)."""
+        only: it alone keeps ``_page_write``)."""
         rpp = self.rows_per_page
         rp = ticket.read_rows // rpp
         wp = ticket.write_rows // rpp
@@ -466,30 +476,49 @@ class DiskHostTier:
         read = ~full  # (a page whose every row is overwritten is not read)
         self.pages_not_read += int(np.count_nonzero(full))
         brk = np.flatnonzero((np.diff(pages) != 1) | (read[1:] != read[:-1]) | (writes[1:] != writes[:-1])) + 1
-        starts = np.concatenate(([0], brk)).tolist()
-        ends = np.concatenate((brk, [pages.size])).tolist()
-        ticket._staging = aligned_buffer(pages.size * self.page_bytes)
+        starts = np.concatenate(([0], brk))
+        ends = np.concatenate((brk, [pages.size]))
         most = self.file.max_run_pages
-        for s, e in zip(starts, ends):
-            for a in range(s, e, most):
-                b = min(e, a + most)
-                first, last = int(pages[a]), int(pages[b - 1]) + 1
-                after: List[_PageWrite] = []
-                for p in range(first, last):
-                    pw = self._last_write.get(p)
-                    if pw is None:
-                        continue
-                    if not pw.event.is_set() or (pw.failed_seq is not None and ticket.seq <= pw.failed_seq):
-                        after.append(pw)
-                    else:
-                        del self._last_write[p]  # (ended, and nothing issued from now on needs it)
-                write = _PageWrite() if writes[a] else None
-                if write is not None:
-                    for p in range(first, last):
-                        self._last_write[p] = write
-                runs.append(_Run(first, a, b - a, bool(read[a]),
-                                 int(np.searchsorted(rp, first)), int(np.searchsorted(rp, last)),
-                                 int(np.searchsorted(wp, first)), int(np.searchsorted(wp, last)), after, write))
+        if (ends - starts).max() > most:  # (runs longer than a request are cut)
+            bounds = list(zip(starts.tolist(), ends.tolist()))
+            starts = np.concatenate([np.arange(s_, e_, most) for s_, e_ in bounds])
+            ends = np.concatenate([np.minimum(np.arange(s_, e_, most) + most, e_) for s_, e_ in bounds])
+        ticket._staging = aligned_buffer(pages.size * self.page_bytes)
+        # Per row, once per ticket (vector ops): its page in the staging and place in the
+        # page, so that a request only slices them.
+        ticket._view = self._page_view(ticket._staging)
+        ticket._r_at, ticket._r_off = np.searchsorted(pages, rp), ticket.read_rows % rpp
+        ticket._w_at, ticket._w_off = np.searchsorted(pages, wp), ticket.write_rows % rpp
+        # Read rows that came from the file (not orphans written back with this ticket),
+        # cumulated, for the counters.
+        from_file = ~np.isin(ticket.read_rows, ticket.write_rows) if ticket.write_rows.size else \
+            np.ones(ticket.read_rows.size, dtype=bool)
+        ticket._r_from_file = np.concatenate(([0], np.cumsum(from_file)))
+        firsts, lasts = pages[starts], pages[ends - 1] + 1
+        r0s, r1s = np.searchsorted(rp, firsts).tolist(), np.searchsorted(rp, lasts).tolist()
+        w0s, w1s = np.searchsorted(wp, firsts).tolist(), np.searchsorted(wp, lasts).tolist()
+        # The earlier writes of the ticket's pages it must follow: those not ended, and failed
+        # ones it was issued before the records of became orphans (vector ops; a Python loop
+        # only over pages that have one).
+        ids = self._page_write[pages]
+        run_of = np.searchsorted(starts, np.arange(pages.size), side="right") - 1
+        after: List[List[_PageWrite]] = [[] for _ in range(starts.size)]
+        for k in np.flatnonzero(ids >= 0).tolist():
+            pw = self._writes.get(int(ids[k]))
+            if pw is not None and (not pw.event.is_set()
+                                   or (pw.failed_seq is not None and ticket.seq <= pw.failed_seq)):
+                r = int(run_of[k])
+                if pw not in after[r]:
+                    after[r].append(pw)
+        wrote = writes[starts]
+        for k, (a, b, first, last) in enumerate(zip(starts.tolist(), ends.tolist(), firsts.tolist(), lasts.tolist())):
+            write = None
+            if wrote[k]:
+                write = _PageWrite()
+                self._write_ids += 1
+                self._writes[self._write_ids] = write
+                self._page_write[first:last] = self._write_ids
+            runs.append(_Run(first, a, b - a, bool(read[a]), r0s[k], r1s[k], w0s[k], w1s[k], after[k], write))
 
     def _page_view(self, staging: np.ndarray) -> np.ndarray:
         """The staging's pages as ``[pages, rows_per_page, record]`` (a view)."""
@@ -498,19 +527,57 @@ class DiskHostTier:
                                                (self.page_bytes, self.record, 1), writeable=True)
 
     def _do_share(self, ticket: DiskTicket, runs: List[_Run]) -> None:
+        """A share of a ticket's requests, on one I/O thread: every read (each after the
+        earlier writes of its pages) with the write records patched in, then one copy of all
+        their read rows into their slots, then the writes. The copy precedes the writes, so
+        an orphan's row is in DRAM (dirty) even if its write fails again; a write's end is
+        marked as soon as it ended, for what follows it."""
+        failed = set()
         for run in runs:
-            error: Optional[BaseException] = None
             try:
-                self._do_run(ticket, run)
+                self._read_patch(ticket, run)
             except BaseException as e:  # (reported through the ticket)
-                error = e
-            self._end_run(ticket, run, error)
+                failed.add(id(run))
+                self._end_run(ticket, run, e)
+        done = [r for r in runs if r.r1 > r.r0 and id(r) not in failed]
+        if done:
+            for d in ticket.slot_deps:
+                d._ready.wait()
+            sel = (np.arange(done[0].r0, done[0].r1) if len(done) == 1
+                   else np.concatenate([np.arange(r.r0, r.r1) for r in done]))
+            rows, slots = ticket.read_rows[sel], ticket.read_slots[sel]
+            assert ticket._view is not None and ticket._r_at is not None and ticket._r_off is not None
+            self._records[slots] = ticket._view[ticket._r_at[sel], ticket._r_off[sel]]
+            from_file = sum(int(ticket._r_from_file[r.r1] - ticket._r_from_file[r.r0])  # type: ignore[index]
+                            for r in done)
+            with self._lock:
+                # Valid only where the slot is still this read's: one given to another row
+                # meanwhile (unstaged, then a victim) gets its value from that row's move,
+                # which waits for this copy (``slot_deps``).
+                mine = (self._filler[slots] == ticket.seq) & (self.slot_row[slots] == rows)
+                self.valid[slots[mine]] = True
+                self.rows_read += from_file
+                ticket._reads_left -= len(done)
+                if ticket._reads_left == 0 and ticket._read_error is None:
+                    ticket._ready.set()
+        for run in runs:
+            if id(run) in failed:
+                continue
+            error: Optional[BaseException] = None
+            if run.w1 > run.w0:
+                try:
+                    assert ticket._staging is not None
+                    self.file.write_run(ticket._staging, run.first, run.at, run.count)
+                    with self._lock:
+                        self.rows_written += run.w1 - run.w0
+                except BaseException as e:  # (reported through the ticket)
+                    error = e
+            self._end_run(ticket, run, error, reads_landed=True)
         self._finish(ticket, 1)
 
-    def _do_run(self, ticket: DiskTicket, run: _Run) -> None:
-        """One request: (read) -> patch the write records in -> copy the read rows out ->
-        (write). The copy precedes the write, so an orphan's row is in DRAM (dirty) even if
-        its write fails again."""
+    def _read_patch(self, ticket: DiskTicket, run: _Run) -> None:
+        """A request's read, after the earlier writes of its pages (one that failed fails
+        it when it has rows to read), then its write records patched into the staging."""
         for pw in run.after:
             pw.event.wait()  # (an earlier request, started before this one: first in, first out)
             if pw.failed_seq is not None and ticket.seq <= pw.failed_seq:
@@ -519,42 +586,18 @@ class DiskHostTier:
                     raise DiskTierError(f"{pw.error} (so page {run.first} was not read after it)")
                 if run.taint is None or pw.failed_seq > run.taint.failed_seq:  # type: ignore[operator]
                     run.taint = pw
-        staging = ticket._staging
-        assert staging is not None
+        assert ticket._staging is not None and ticket._view is not None
         if run.read:
-            self.file.read_run(staging, run.first, run.at, run.count)
-        view = self._page_view(staging)
-        rpp = self.rows_per_page
-        if run.w1 > run.w0:
-            wr = ticket.write_rows[run.w0: run.w1]
-            view[run.at + wr // rpp - run.first, wr % rpp] = ticket.write_records[run.w0: run.w1]
-        if run.r1 > run.r0:
-            for d in ticket.slot_deps:
-                d._ready.wait()
-            rr = ticket.read_rows[run.r0: run.r1]
-            slots = ticket.read_slots[run.r0: run.r1]
-            self._records[slots] = view[run.at + rr // rpp - run.first, rr % rpp]
-            from_file = rr.size - (int(np.count_nonzero(np.isin(rr, ticket.write_rows[run.w0: run.w1])))
-                                   if run.w1 > run.w0 else 0)
-            with self._lock:
-                # Valid only where the slot is still this read's: one given to another row
-                # meanwhile (unstaged, then a victim) gets its value from that row's move,
-                # which waits for this copy (``slot_deps``).
-                mine = (self._filler[slots] == ticket.seq) & (self.slot_row[slots] == rr)
-                self.valid[slots[mine]] = True
-                self.rows_read += from_file
-                ticket._reads_left -= 1
-                if ticket._reads_left == 0 and ticket._read_error is None:
-                    ticket._ready.set()
-        if run.w1 > run.w0:
-            self.file.write_run(staging, run.first, run.at, run.count)
-            with self._lock:
-                self.rows_written += run.w1 - run.w0
+            self.file.read_run(ticket._staging, run.first, run.at, run.count)
+        w0, w1 = run.w0, run.w1
+        if w1 > w0:
+            ticket._view[ticket._w_at[w0:w1], ticket._w_off[w0:w1]] = ticket.write_records[w0:w1]  # type: ignore[index]
 
-    def _end_run(self, ticket: DiskTicket, run: Optional[_Run], error: Optional[BaseException]) -> None:
+    def _end_run(self, ticket: DiskTicket, run: Optional[_Run], error: Optional[BaseException],
+                 reads_landed: bool = False) -> None:
         """After a request: on failure, its dirty records become orphans (kept in DRAM) and
-        the failure goes to the ticket; its write is marked ended (so that what follows it
-        may go), failed or not."""
+        the failure goes to the ticket (a read failure unless its reads landed); its write
+        is marked ended (so that what follows it may go), failed or not."""
         if error is None:
             if run is not None and run.write is not None:
                 if run.taint is not None:
@@ -580,7 +623,7 @@ class DiskHostTier:
                     # one); a read still to land follows this write and fails with it.
                     if slot < 0 or (self._filler[slot] != 0 and not self.valid[slot]):
                         self._orphans[row] = ticket.write_records[w0 + i].copy()
-            reads = run is None or run.r1 > run.r0
+            reads = run is None or (run.r1 > run.r0 and not reads_landed)
             if reads:
                 if ticket._read_error is None:
                     ticket._read_error = error
@@ -599,7 +642,7 @@ class DiskHostTier:
             ticket._tasks_left -= tasks
             if ticket._tasks_left > 0:
                 return
-            ticket._staging = None
+            ticket._staging = ticket._view = None
             ticket._runs = []
             self._active.pop(ticket.seq, None)
             if ticket._read_error is not None:

@@ -148,6 +148,7 @@ class RowFile:
         self.table = table
         self.num_rows = int(num_rows)
         self.layout = PageLayout(int(row_bytes))
+        self._page_bytes = self.layout.page_bytes
         self.num_pages = self.layout.num_pages(self.num_rows)
         self.size = self.num_pages * self.layout.page_bytes
         self.max_run_pages = max(1, int(max_run_pages))
@@ -257,7 +258,7 @@ class RowFile:
         return pages
 
     def _views(self, buffer: np.ndarray, at: int, count: int) -> memoryview:
-        pb = self.layout.page_bytes
+        pb = self._page_bytes
         return memoryview(buffer[at * pb: (at + count) * pb])
 
     @property
@@ -270,12 +271,13 @@ class RowFile:
         (an ``aligned_buffer``), on the calling thread: one request. Raises
         ``DiskTierError`` for a failed or short read (a short one names a truncation or a
         replacement of the file when ``check_identity`` finds one)."""
-        want = count * self.layout.page_bytes
-        offset = first * self.layout.page_bytes
+        want = count * self._page_bytes
+        offset = first * self._page_bytes
         with self._lock:
             self._reads_now += 1
             self.reads_in_flight_max = max(self.reads_in_flight_max, self._reads_now)
             self._reads_in_flight_sum += self._reads_now
+        got = -1
         try:
             got = os.preadv(self._fd, [self._views(buffer, at, count)], offset)
         except OSError as e:
@@ -284,12 +286,12 @@ class RowFile:
             with self._lock:
                 self._reads_now -= 1
                 self.reads += 1
+                if got == want:
+                    self.bytes_read += want
+                    self.pages_read += count
         if got != want:
             self.check_identity()  # (names what happened to the file, when it can be seen)
             raise self._error(f"short read at byte {offset}: {got} of {want} bytes (truncated under the running job?)")
-        with self._lock:
-            self.bytes_read += want
-            self.pages_read += count
 
     def submit(self, fn: Callable[..., None], *args: object) -> "Future[None]":
         """Runs ``fn(*args)`` on the I/O pool (first in, first started)."""
@@ -304,8 +306,8 @@ class RowFile:
     def write_run(self, buffer: np.ndarray, first: int, at: int, count: int) -> None:
         """Writes pages ``[at, at + count)`` of ``buffer`` to pages ``[first, first + count)``,
         on the calling thread: one request. Raises ``DiskTierError`` (a full disk says so)."""
-        want = count * self.layout.page_bytes
-        offset = first * self.layout.page_bytes
+        want = count * self._page_bytes
+        offset = first * self._page_bytes
         try:
             got = os.pwritev(self._fd, [self._views(buffer, at, count)], offset)
         except OSError as e:
