@@ -152,3 +152,32 @@ def test_disk_depth_below_depth_is_refused():
     stage = table.stage_rows(torch.tensor([1, 2]))
     assert stage.ticket is None
     table.unstage(stage)
+
+
+def test_any_staging_at_any_time_changes_no_value(tmp_path):
+    """Stages of random rows made and dropped at random points of a run (never used by a
+    plan, some never dropped until the end) move rows only: the result is DRAM's."""
+    dram = TieredTable("t", _init(), CONFIG, num_slots=150)
+    _train(dram, 0)
+    want = _rows_of(dram)
+    table = _disk_table(tmp_path, host_rows=500)
+    g = torch.Generator().manual_seed(5)
+    held = []
+    engine, anchor = FetchEngine(), torch.empty(0, requires_grad=True)
+
+    def step(i, tb, batch):
+        pooled_lookup(tb, anchor).backward(batch[3])
+        held.append(table.stage_rows(torch.randint(0, ROWS, (30,), generator=g), skip_cached=bool(i % 2)))
+        if i % 3 == 0:
+            table.unstage(held.pop(0))
+
+    try:
+        run_lookahead(table, engine, _batches(), 1, step, disk_depth=3)
+        for stage in held:
+            table.unstage(stage)
+        engine.flush([table])
+        table.check_invariants(expect_drained=True)
+        assert table.disk.stats()["stages"] > STEPS
+        assert all(torch.equal(a, b) for a, b in zip(_rows_of(table), want))
+    finally:
+        table.close()
