@@ -319,9 +319,17 @@ class FetchEngine:
     def flush(self, tables: Sequence[Any]) -> None:
         """Writes every dirty cached row of ``tables`` back to their host tier, in its turn
         behind every queued ticket; afterwards the host tiers equal resident tables."""
-        plans = [plan for t in tables for plan in t.plan_flush()]
-        for plan in plans:  # (one ticket per chunk: the staging of one is all that is held)
-            self.run([plan], tag="flush")
+        plans = [(t, plan) for t in tables for plan in t.plan_flush()]
+        for i, (_, plan) in enumerate(plans):  # (one ticket per chunk: the staging of one is all that is held)
+            try:
+                self.run([plan], tag="flush")
+            except BaseException:
+                # Planning the flush marked every chunk's rows clean; the failed chunk is rolled
+                # back with its ticket, and the chunks that never ran keep their rows dirty, so
+                # that nothing is lost and the next flush writes them.
+                for table, later in reversed(plans[i + 1:]):
+                    table.rollback(later)
+                raise
 
     def wait(self, ticket: Ticket) -> float:
         """Blocks until ``ticket`` is done; returns the seconds spent blocked."""
