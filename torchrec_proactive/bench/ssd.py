@@ -1140,7 +1140,7 @@ def _diagnosis(report: Dict[str, Any]) -> List[str]:
     if auto:
         lines.append(f"the store's automatic choice on these figures: disk depth {auto['disk_depth']} at depth 1 "
                      f"(one batch's reads {auto['batch_read_ms']:.0f} ms at {auto['reads_per_s']:.0f} reads/s"
-                     + (f"; disk-bound: about {auto['stall_ms_per_step']:.0f} ms/step of stall whatever the depth"
+                     + (f"; disk-bound: about {auto['stall_ms_per_step']:.1f} ms/step of stall whatever the depth"
                         if auto["disk_bound"] else "") + ")")
     if best["plan_ms"] > best["stall_ms"]:
         lines.append(f"best's training thread spends more on its own disk-tier work ({best['plan_ms']:.2f} ms/step: "
