@@ -99,3 +99,28 @@ def test_a_failed_read_is_reported_and_leaves_no_row_to_read(tmp_path, monkeypat
     tier.release(t)
     tier.check_invariants(expect_drained=True)
     tier.close()
+
+
+def test_victims_are_found_in_time_proportional_to_the_rows_asked_for(tmp_path):
+    """The host cache's victim search (CLOCK) passes a few slots per victim however large the
+    cache: a host cache of 20k rows under a skewed stream of batches scans a small multiple
+    of the rows it evicts, not the cache per batch (a scan per batch would be 20k slots)."""
+    from torchrec_proactive.store.disk_host_tier import Component, DiskHostTier
+    from torchrec_proactive.store.row_file import RowFile
+
+    rows = 100_000
+    comps = [Component("weight", torch.float32, 4)]
+    file = RowFile(tmp_path / "t.rows", rows, 16, table="t")
+    tier = DiskHostTier(file, comps, num_row_slots=20_000)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(60):
+            batch = (torch.rand(500, generator=g) ** 3 * rows).long().numpy()
+            ticket = tier.prefetch(batch)
+            tier.wait(ticket)
+            tier.release(ticket)
+        s = tier.stats()
+        assert s["victims_chosen"] > 20_000  # the cache filled and then evicted
+        assert s["victim_slots_scanned"] <= 4 * s["victims_chosen"], s
+    finally:
+        tier.close()

@@ -76,14 +76,17 @@ def test_staging_ahead_trains_bit_identically_and_reads_before_the_plan(tmp_path
         assert all(j - i == depth for j, i in report.planned_at.items() if j >= depth)
         if disk_depth > depth:
             assert all(j - report.staged_at[j] == disk_depth for j in range(disk_depth, STEPS))
-            # Every row a plan read from the host tier was there or on its way already:
-            # the reads were issued when the batch was staged, disk_depth batches ahead.
-            assert s["plan_rows_missed"] == 0 and s["plan_rows_hit"] > 0, s
+            # The rows a plan reads from the host tier were there or on their way already:
+            # the reads were issued when the batch was staged, disk_depth batches ahead. (A
+            # row the device cache held when its batch was staged is not staged; should both
+            # caches evict it before the plan, the plan reads it: rare, counted.)
+            assert s["plan_rows_hit"] > 0 and s["plan_rows_missed"] * 50 <= s["plan_rows_hit"], s
             assert s["stages"] == STEPS and s["stage_rows_read"] > 0, s
             assert report.leads()[0] > report.leads()[1]
         else:
             assert s["stages"] == 0 and not report.staged_at
     assert missed[(1, 1)] > 0 and missed[(0, 0)] > 0  # without staging the plan reads itself
+    assert missed[(1, 4)] * 20 < missed[(1, 1)] and missed[(2, 6)] * 20 < missed[(1, 1)], missed
 
 
 def test_a_stage_pins_rows_reads_them_once_and_unstage_is_idempotent(tmp_path):

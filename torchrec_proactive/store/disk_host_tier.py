@@ -16,8 +16,9 @@ by a read-modify-write of its page (no read when the page's every row is written
 Data path of one batch:
 
 1. ``prefetch(rows, write_only)`` - bookkeeping on the caller's thread: which rows are in
-   DRAM (pinned), which are not (each gets a slot: a free one, else the least recently used
-   unpinned one; a dirty victim's record is copied out now, to be written to its page).
+   DRAM (pinned), which are not (each gets an unpinned slot chosen by CLOCK, a second-chance
+   approximation of least recently used; a dirty victim's record is copied out now, to be
+   written to its page).
    ``rows`` are read from the file; ``write_only`` rows - whole records the caller
    overwrites, such as the device cache's write-backs - get a slot and no read. Returns a
    :class:`DiskTicket` at once; its I/O runs in the background.
@@ -223,6 +224,10 @@ class DiskHostTier:
         # The ticket reading into each slot (its seq; 0: none).
         self._filler = np.zeros(self.num_slots, dtype=np.int64)
         self.last_used = np.zeros(self.num_slots, dtype=np.int64)
+        # CLOCK: a slot's reference bit (used since the hand last passed) and the hand.
+        self.ref = np.zeros(self.num_slots, dtype=bool)
+        self._hand = 0
+        self.victim_slots_scanned = self.victims_chosen = 0
         self._clock = 0
         self._seq = 0
         self.in_flight = 0
@@ -250,6 +255,7 @@ class DiskHostTier:
         self.tickets = self.tickets_read = self.rows_read_per_ticket_max = 0
         self.stages = self.stage_rows = self.stage_rows_read = 0
         self.plan_rows_hit = self.plan_rows_missed = self.faults = 0
+        self.victim_slots_scanned = self.victims_chosen = 0
         f = self.file
         with f._lock:
             f.reads = f.writes = f.bytes_read = f.bytes_written = f.pages_read = f.pages_written = 0
@@ -291,26 +297,17 @@ class DiskHostTier:
         need = int(np.count_nonzero(miss))
         hit_slots = slots[~miss]
         if need:
-            # Unpinned and holding their value: an orphan read back (dirty) whose read has
-            # not landed has no record to write yet.
-            free = (self.pins == 0) & ~(self.dirty & ~self.valid)
-            free[hit_slots] = False
-            candidates = np.flatnonzero(free)
-            if candidates.size < need:
+            victims = self._victims(need, hit_slots)
+            if victims.size < need:
+                free = (self.pins == 0) & ~(self.dirty & ~self.valid)
+                free[hit_slots] = False
                 pinned = int(np.count_nonzero(self.pins))
                 least = pinned + all_rows.size - int(np.count_nonzero(self.pins[hit_slots]))
                 what = "staging a batch" if kind == "stage" else "a batch"
                 raise HostCacheCapacityError(
                     f"table '{self.table}': {what} needs {need} more rows in the host cache of {self.num_slots} "
-                    f"rows, but only {candidates.size} are not pinned by batches in flight or staged; give the host "
-                    f"cache at least {least} rows ({least * self.record} bytes). Nothing changed")
-            # Free slots first, then the least recently used (argpartition: O(slots), and
-            # deterministic for the same history).
-            key = np.where(self.slot_row[candidates] >= 0, self.last_used[candidates], -1)
-            if need < candidates.size:
-                victims = candidates[np.sort(np.argpartition(key, need - 1)[:need])]
-            else:
-                victims = candidates
+                    f"rows, but only {int(np.count_nonzero(free))} are not pinned by batches in flight or staged; "
+                    f"give the host cache at least {least} rows ({least * self.record} bytes). Nothing changed")
         else:
             victims = _EMPTY
         # Victim slots whose read is still landing (a batch staged, then unstaged before it
@@ -363,6 +360,7 @@ class DiskHostTier:
         self.pins[pinned] += 1
         self._clock += 1
         self.last_used[pinned] = self._clock
+        self.ref[pinned] = True
         n_hits = rows.size - n_read
         self.row_hits += n_hits
         self.row_misses += n_read
@@ -383,6 +381,47 @@ class DiskHostTier:
         self.in_flight += 1
         self._start(ticket)
         return ticket
+
+    def _victims(self, need: int, exclude: np.ndarray) -> np.ndarray:
+        """``need`` victim slots by CLOCK (second chance), or fewer when the cache has no
+        more (the caller refuses the batch; nothing changed but reference bits and the hand).
+
+        A slot is a candidate when unpinned, not in ``exclude`` (the batch's own hits) and
+        holding its value (an orphan read back, dirty, whose read has not landed has no
+        record to write yet); a candidate used since the hand last passed gets a second
+        chance (its bit is cleared). The hand scans a window of about twice what is needed,
+        doubling until it has enough: O(rows asked for), not O(host cache) - a host cache
+        of a million rows is searched in microseconds, as the device cache's clock-hand
+        window is. Deterministic for the same history."""
+        n = self.num_slots
+        if exclude.size:
+            self.pins[exclude] += 1  # (not candidates while the hand passes; undone below)
+        try:
+            taken: List[np.ndarray] = []
+            got, scanned, window = 0, 0, max(64, 2 * need)
+            while got < need and scanned < 2 * n:  # two sweeps: the first may only clear bits
+                w = min(window, n, 2 * n - scanned)  # (at most n: no slot twice in a window)
+                idx = (self._hand + np.arange(w, dtype=np.int64)) % n
+                ok = (self.pins[idx] == 0) & ~(self.dirty[idx] & ~self.valid[idx])
+                second = ok & self.ref[idx]
+                ok &= ~self.ref[idx]
+                if scanned + w > n and got:  # the second sweep: never the same slot twice
+                    ok &= ~np.isin(idx, np.concatenate(taken))
+                pick = np.flatnonzero(ok)[: need - got]
+                upto = int(pick[-1]) + 1 if got + pick.size == need else w
+                # bits cleared only where the hand passed
+                self.ref[idx[:upto][second[:upto]]] = False
+                taken.append(idx[pick])
+                got += pick.size
+                self._hand = int((self._hand + upto) % n)
+                scanned += upto
+                window *= 2
+            self.victim_slots_scanned += scanned
+            self.victims_chosen += got
+            return np.concatenate(taken) if taken else _EMPTY
+        finally:
+            if exclude.size:
+                self.pins[exclude] -= 1
 
     def _start(self, ticket: DiskTicket) -> None:
         """Sets what the ticket waits for before the owner takes it (under the lock)."""
@@ -870,7 +909,9 @@ class DiskHostTier:
           to read already in DRAM or on their way (read ahead) / read by the plan itself;
         * ``orphan_rows`` (now: dirty records whose write failed, kept in DRAM),
           ``orphans_taken`` (served from there since), ``write_failures`` (failed write
-          requests), ``faults`` (tickets that failed)."""
+          requests), ``faults`` (tickets that failed);
+        * ``victim_slots_scanned`` / ``victims_chosen``: slots the CLOCK hand passed and the
+          victims it chose (their ratio is the search's cost per row: O(1), not O(cache))."""
         f = self.file
         return {"rows_read": self.rows_read, "rows_written": self.rows_written, "row_hits": self.row_hits,
                 "row_misses": self.row_misses, "pages_read": f.pages_read, "pages_written": f.pages_written,
@@ -884,7 +925,8 @@ class DiskHostTier:
                 "stages": self.stages, "stage_rows": self.stage_rows, "stage_rows_read": self.stage_rows_read,
                 "plan_rows_hit": self.plan_rows_hit, "plan_rows_missed": self.plan_rows_missed,
                 "orphan_rows": len(self._orphans), "orphans_taken": self.orphans_taken,
-                "write_failures": self.write_failures, "faults": self.faults}
+                "write_failures": self.write_failures, "faults": self.faults,
+                "victim_slots_scanned": self.victim_slots_scanned, "victims_chosen": self.victims_chosen}
 
     def close(self, remove: bool = True) -> None:
         """Stops the disk owner (after what is queued) and closes the file (after what is
