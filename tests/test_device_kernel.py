@@ -64,17 +64,22 @@ def test_per_table_bounds_need_no_host_read():
         assert rows.device.type == "cuda" and rows.shape == (60,)
 
 
-def test_a_pinned_copy_of_the_host_tier_is_said_once(monkeypatch):
-    """Without FBGEMM's uvm_to_cpu the host tier cannot alias the UVM rows: the fallback copy
-    is not silent."""
-    from torchrec_proactive.integration import embedding_kernel
+def test_a_copy_of_the_host_tier_is_said_once_and_held_at_its_exact_size():
+    """Where no CPU alias of FBGEMM's host-mapped rows can be made the host tier is a copy:
+    not silent, and not pinned (the caching host allocator would round it up to a power of
+    two)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    real_empty = torch.empty
-    monkeypatch.setattr(embedding_kernel.torch, "empty",
-                        lambda *a, pin_memory=False, **k: real_empty(*a, **k))  # (no pinned allocator here)
+    from torchrec_proactive.integration import embedding_kernel
+    from torchrec_proactive.store.host_memory import HostBytes
+
     rows = torch.randn(64, 8)
-    with pytest.warns(UserWarning, match=r"tables \['a'\]: FBGEMM's uvm_to_cpu is not available.*pinned copy"):
-        host = embedding_kernel._pinned_copy(rows, ["a"])
+    counter = HostBytes()
+    with pytest.warns(UserWarning, match=r"tables \['a'\]: no CPU alias of FBGEMM's host-mapped rows.*a copy"):
+        with FakeTensorMode(allow_non_fake_inputs=True), counter:
+            embedding_kernel._pinned_copy(rows, ["a"])
+    assert counter.pinned == 0 and counter.cpu == rows.numel() * 4
+    host = embedding_kernel._pinned_copy(rows, ["a"])
     assert torch.equal(host, rows)
 
 

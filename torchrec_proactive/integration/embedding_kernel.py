@@ -58,6 +58,7 @@ from ..store import (
     unique_rows,
     pooled_lookup_group,
 )
+from ..store import host_memory
 from ..store.row_space import device_store_rows  # noqa: F401 - (re-exported: tests import it here)
 from .disk_tier import ScratchDirectory, group_host_cache_bytes, resolve_directory
 from .host_views import LiveTableSlice, can_be_live, live_view, register_host_storage
@@ -285,9 +286,13 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
         On CPU the stock kernel's host buffer *is* the host tier (no copy). On CUDA the
         stock kernel holds its rows in host-mapped UVM (the sharded module asks FBGEMM for
-        ``uvm_host_mapped``: pinned host memory), which becomes the host tier in place
-        through FBGEMM's ``uvm_to_cpu`` alias: the rows are held once. Without that op the
-        rows are copied once into pinned memory. ``user_fused_params`` are the group's
+        ``uvm_host_mapped``: ``malloc`` + ``cudaHostRegister``, exact size), which becomes
+        the host tier in place through a CPU alias of the same bytes
+        (``store.host_memory.cpu_alias``: FBGEMM's ``uvm_to_cpu`` refuses host-mapped
+        storage); the optimizer state is host-mapped at its exact size too
+        (``_host_mapped_tier``), so rows and state are each held once
+        (``integration/host_tier_probe.py`` counts it). Where no alias can be made the rows
+        are copied once, said in a warning. ``user_fused_params`` are the group's
         fused params as the user gave them (the stock kernel was built with plain SGD, see
         the sharded module)."""
         views = [w.detach() for w in stock.split_embedding_weights()]
@@ -778,17 +783,19 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
 
 def _pinned_copy(uvm: torch.Tensor, tables: List[str]) -> torch.Tensor:
-    """The rows copied once into pinned host memory, where FBGEMM lacks ``uvm_to_cpu``: said
-    once, since it holds the rows in a second allocation (the caching host allocator rounds
-    it up to a power of two) until the stock kernel's buffer is freed."""
+    """The rows copied once into host memory at their exact size, where no CPU alias of
+    FBGEMM's buffer can be made (``store.host_memory.cpu_alias``): said once, since the rows
+    are held twice while the stock kernel's buffer lives, and the copy is not addressable
+    by the GPU (its moves then go through pinned staging, fetch/cuda.py). Not pinned: the
+    caching host allocator would round it up to a power of two."""
     nbytes = uvm.numel() * uvm.element_size()
     warnings.warn(
-        f"tables {tables}: FBGEMM's uvm_to_cpu is not available, so the host tier is a pinned copy of the "
-        f"{nbytes / 2**20:.0f} MiB of rows instead of FBGEMM's host-mapped buffer itself (the rows are held "
-        f"twice while the stock kernel's buffer lives, and pinned memory is rounded up to a power of two)",
+        f"tables {tables}: no CPU alias of FBGEMM's host-mapped rows could be made here, so the host tier is "
+        f"a copy of the {nbytes / 2**20:.0f} MiB of rows (held twice while the stock kernel's buffer lives; "
+        f"its moves go through pinned staging)",
         stacklevel=3,
     )
-    host = torch.empty(uvm.shape, dtype=uvm.dtype, pin_memory=True)
+    host = torch.empty(uvm.shape, dtype=uvm.dtype)
     host.copy_(uvm)
     return host
 
@@ -797,35 +804,28 @@ def _host_mapped_tier(host_weight: torch.Tensor, host_buffer: torch.Tensor, devi
                       state_shapes: Mapping[str, Tuple[int, ...]]) -> Dict[str, Any]:
     """The store's host tier as the GPU addresses it: the group's rows within FBGEMM's
     host-mapped buffer (``device_buffer``, the same bytes as ``host_buffer``), and optimizer
-    state allocated host-mapped too, zeroed (FBGEMM's ``new_host_mapped_tensor``: the size
-    asked for, where pinned tensors from PyTorch's caching host allocator are rounded up to
-    a power of two). Empty where FBGEMM cannot allocate it (the moves then use staging)."""
+    state allocated host-mapped too, zeroed, at its exact size (``store.host_memory.
+    mapped_zeros``: FBGEMM's ``new_host_mapped_tensor`` and a CPU alias of it, where pinned
+    tensors from PyTorch's caching host allocator are rounded up to a power of two). Empty
+    where that cannot be made (the store then allocates the state, and the moves may use
+    staging)."""
     start = host_weight.storage_offset() - host_buffer.storage_offset()
-    weight = device_buffer.view(-1)[start: start + host_weight.numel()].view(host_weight.shape)
+    weight = device_buffer.view(-1).narrow(0, start, host_weight.numel()).view(host_weight.shape)
     state: Dict[str, torch.Tensor] = {}
     on_device = [weight]
-    like = torch.empty(0, dtype=torch.float32, device=device_buffer.device)  # (device and dtype of the state)
     for key, shape in state_shapes.items():
-        try:
-            mapped = torch.ops.fbgemm.new_host_mapped_tensor(like, [int(host_weight.shape[0]), *shape])
-        except (AttributeError, RuntimeError, NotImplementedError):
+        made = host_memory.mapped_zeros([int(host_weight.shape[0]), *shape], torch.float32, device_buffer.device)
+        if made is None:
             return {}
-        alias = _host_alias(mapped)
-        if alias is None:
-            return {}
-        alias.zero_()
-        state[key] = alias
-        on_device.append(mapped)
+        state[key] = made[0]
+        on_device.append(made[1])
     return {"host_state": state, "host_on_device": on_device}
 
 
 def _host_alias(uvm: torch.Tensor) -> Optional[torch.Tensor]:
-    """A CPU tensor over the same bytes as a host-mapped UVM tensor (FBGEMM's ``uvm_to_cpu``),
-    or None where FBGEMM has no such op (its CPU build)."""
-    try:
-        return torch.ops.fbgemm.uvm_to_cpu(uvm)
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return None
+    """A CPU tensor over the same bytes as a UVM tensor (managed or host-mapped; see
+    ``store.host_memory.cpu_alias``), or None where none can be made."""
+    return host_memory.cpu_alias(uvm)
 
 
 def _load_factor(table: Any, options: ProactiveOptions) -> float:

@@ -52,6 +52,7 @@ from .device_planner import DevicePlanner, RowMapping
 from .disk_host_tier import Component, DiskHostTier, record_layout
 from .errors import CacheCapacityError, IdOutOfRangeError, InvalidInputError, StoreStateError
 from .eviction import EvictionPolicy
+from .host_memory import mapped_zeros
 from .host_planner import HostPlanner, load_factor_advice, load_factor_text, unique_rows
 from .optimizers import OptimizerConfig, update_rows
 from .plan import FetchPlan
@@ -232,6 +233,7 @@ class TieredTable:
         self.host_weight = host_weight.data
         self.exposed_state: Dict[str, torch.Tensor] = {}
         self.host_state: Dict[str, torch.Tensor] = {}
+        self._mapped_state: Dict[str, torch.Tensor] = {}  # state allocated host-mapped here: its device views
         for key, shape in optimizer.state_shapes(self.dim).items():
             given = (host_state or {}).get(key)
             want = (self.num_rows, *shape)
@@ -242,9 +244,15 @@ class TieredTable:
             if given is None and disk is not None:
                 given = torch.empty(want, dtype=torch.float32, device="meta")  # (on disk: shape only)
             elif given is None:
-                # Pinned on CUDA so the copy stream can move rows without a bounce buffer.
-                pin = self.device.type == "cuda" and torch.cuda.is_available()
-                given = torch.zeros(want, dtype=torch.float32, pin_memory=pin)
+                # On CUDA the GPU addresses it (its moves need no bounce buffer): host-mapped
+                # at its exact size (FBGEMM's allocation, host_memory.mapped_zeros), else
+                # pinned (PyTorch's caching host allocator: rounded up to a power of two).
+                cuda = self.device.type == "cuda" and torch.cuda.is_available()
+                made = mapped_zeros(want, torch.float32, self.device) if cuda else None
+                if made is not None:
+                    given, self._mapped_state[key] = made
+                else:
+                    given = torch.zeros(want, dtype=torch.float32, pin_memory=cuda)
             self.exposed_state[key] = given
             self.host_state[key] = given.data
         # (A table on disk hands no host tensor out: nobody writes its host tier in place.)
@@ -336,7 +344,9 @@ class TieredTable:
         if given is None and self.device.type != "cuda":
             return hosts
         if given is None:
-            aliases = [device_alias(t, self.device) for t in hosts]
+            aliases = [device_alias(self.host_weight, self.device)]
+            aliases += [self._mapped_state.get(key) if key in self._mapped_state else device_alias(t, self.device)
+                        for key, t in self.host_state.items()]
             return None if any(a is None for a in aliases) else aliases
         given = list(given)
         # (device types, not devices: the table's ``cuda`` and its tensors' ``cuda:0`` are one)
