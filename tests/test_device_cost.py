@@ -7,6 +7,8 @@ a 10M-slot cache issue the same ops touching the same bytes (issue 30, item 11).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -20,16 +22,20 @@ from .device_kernel_fixture import device_kernel
 ROWS_A, ROWS_B, DIM = 19_000_000, 1_000_000, 8
 
 
-def _costs(slots_per_table: int, n: int = 4096, steps: int = 3, optimizer: str = "exact_row_wise_adagrad"):
+def _costs(slots_per_table: int, n: int = 4096, steps: int = 3, optimizer: str = "exact_row_wise_adagrad",
+           dim: int = DIM, unique: Optional[int] = None):
     """Per phase, the costs of the last of ``steps`` steps (steady state) on a group of two
-    tables with ``slots_per_table`` slots each. The host tier is fake too (no memory)."""
+    tables with ``slots_per_table`` slots each. The host tier is fake too (no memory).
+    ``unique``: the batch's unique rows, handed to each plan before its backward as the copy
+    of its sizes hands them on a GPU once it has landed (``poll_sizes``: the steady state at
+    a depth of 1 or more); None: the sizes never land (depth 0)."""
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 1000, (n,), generator=g) for _ in range(steps)]
     counter = CostCounter()
     with fake_cuda() as guard:
         with guard.setup():
-            kernel = device_kernel([("a", ROWS_A), ("b", ROWS_B)], dim=DIM, slots=slots_per_table, device="cuda",
-                                   optimizer=optimizer, host=torch.empty((ROWS_A + ROWS_B) * DIM))
+            kernel = device_kernel([("a", ROWS_A), ("b", ROWS_B)], dim=dim, slots=slots_per_table, device="cuda",
+                                   optimizer=optimizer, host=torch.empty((ROWS_A + ROWS_B) * dim))
         with counter:
             for _ in batches:
                 counter.reset()
@@ -42,6 +48,8 @@ def _costs(slots_per_table: int, n: int = 4096, steps: int = 3, optimizer: str =
                 with counter.phase("lookup"):
                     out = lookup_module.pool_group([planned.batch], [None])[0]
                 grad_out = torch.ones_like(out)  # (autograd's, made before the backward runs)
+                if unique is not None:
+                    planned.batch.plan.take_sizes((unique, unique, 0, 0))
                 with counter.phase("update"):
                     lookup_module.update_group([planned.batch], [None], [grad_out], [])
     return counter.phases
@@ -133,3 +141,32 @@ def test_the_int32_hash_gives_the_int64_hashs_bits():
         columns = _mix32(torch.arange(16) * 0x9E3779B9 & 0xFFFFFFFF)
         assert torch.equal(bits, _mix32(per_row.unsqueeze(1) ^ columns))  # the int64 definition
         assert torch.equal(round_rows(x, torch.float16, rows, seed, step), stochastic_round_fp16(x, bits))
+
+
+def _zipf_unique(rows: int, n: int, alpha: float = 1.05, seed: int = 0) -> int:
+    """Unique rows among ``n`` Zipf ids over ``rows`` (benchmarks/gpu_check.py's draw)."""
+    u = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    e = 1.0 - alpha
+    x = torch.exp(torch.log1p(u * ((rows + 1.0) ** e - 1.0)) / e)
+    return int(torch.unique((x.floor().long() - 1).clamp_(0, rows - 1)).numel())
+
+
+#: Bytes the backward with the fused update may touch per group per step at 2M ids x 128
+#: (issue 44, item 2). It touched 16.8 GB (row-wise Adagrad) and 40.3 GB (Adam): every op ran
+#: over the padded id count.
+UPDATE_BYTES_BOUND = {"exact_row_wise_adagrad": 4e9, "adam": 10e9}
+
+
+@pytest.mark.parametrize("optimizer", sorted(UPDATE_BYTES_BOUND))
+def test_the_update_at_2m_ids_works_on_its_unique_rows(optimizer):
+    """2M Zipf ids x dim 128 (25% unique): once the plan's sizes have landed, the gradient
+    sums read each id's gradient once (its bag's row, gathered by the sums themselves) and
+    every other op runs over the unique rows, not the padded ids."""
+    n, dim = 2_000_000, 128
+    unique = _zipf_unique(ROWS_A + ROWS_B, n)
+    update = _costs(5_000_000, n=n, steps=3, optimizer=optimizer, dim=dim, unique=unique)["update"]
+    assert update.bytes <= UPDATE_BYTES_BOUND[optimizer], (update.bytes / 1e9, unique)
+    assert update.launches <= UPDATE_LAUNCH_BOUND, update.launch_names
+    # What a GPU does where the sizes have not landed (depth 0): the padded length, the same bits.
+    padded = _costs(5_000_000, n=n, steps=3, optimizer=optimizer, dim=dim)["update"]
+    assert padded.bytes > 2 * update.bytes and padded.launches <= UPDATE_LAUNCH_BOUND

@@ -73,7 +73,7 @@ def _batches(steps=10, bags=64, per_bag=3, seed=0):
     return out
 
 
-def _train(table_cls, slots, depth, optim, batches, cuts=False):
+def _train(table_cls, slots, depth, optim, batches, cuts=False, narrow=True):
     torch.manual_seed(0)
     init = torch.randn(ROWS, DIM)
     cfg = OptimizerConfig(optim, learning_rate=0.05)
@@ -81,6 +81,7 @@ def _train(table_cls, slots, depth, optim, batches, cuts=False):
     table = table_cls("a+b", init.clone(), cfg, num_slots=slots, segments=segments)
     if cuts:
         table.planner.plans_grad_cuts = True  # (the GPU's gradient sums, on the CPU)
+        table.planner.narrow_updates = narrow
     engine = FetchEngine()
     anchor = torch.empty(0, requires_grad=True)
     outs = []
@@ -142,6 +143,45 @@ def test_gradients_summed_by_planned_cuts_are_bit_identical_for_any_cache_and_de
             assert torch.equal(table.host_weight, first[1].host_weight), (slots, depth)
             for k, v in first[1].host_state.items():
                 assert torch.equal(table.host_state[k], v), (slots, depth, k)
+
+
+@pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+def test_an_update_over_its_unique_rows_gives_the_padded_updates_bits(optim, monkeypatch):
+    """The GPU's update covers a plan's unique rows once their number reached the host (a
+    depth of 1 or more) and the padded length otherwise: both give the same bits at every
+    cache size (overflow included) and depth."""
+    batches = _batches(bags=50, per_bag=5)
+    lengths = []
+    real = lookup_module.update_length
+    monkeypatch.setattr(lookup_module, "update_length", lambda b: lengths.append((real(b), b.plan.n)) or real(b))
+    first = None
+    for narrow in (False, True):
+        for slots, depth in ((30, 0), (400, 2), (ROWS, 1)):
+            lengths.clear()
+            outs, table = _train(device_table, slots, depth, optim, batches, cuts=True, narrow=narrow)
+            assert all((m < n) == narrow for m, n in lengths), (narrow, lengths)
+            if first is None:
+                first = outs, table
+                continue
+            assert all(torch.equal(a, b) for a, b in zip(outs, first[0])), (narrow, slots, depth)
+            assert torch.equal(table.host_weight, first[1].host_weight), (narrow, slots, depth)
+            for k, v in first[1].host_state.items():
+                assert torch.equal(table.host_state[k], v), (narrow, slots, depth, k)
+
+
+def test_sums_of_the_first_segments_are_those_of_all_segments():
+    g = torch.Generator().manual_seed(3)
+    n, padded, segments = 300, 320, 330
+    index = torch.cat([torch.zeros(100, dtype=torch.int64), torch.randint(0, 90, (200,), generator=g)])
+    index = index[torch.randperm(n, generator=g)]
+    tail = torch.randint(0, segments, (padded - n,), generator=g)
+    skip = torch.arange(padded) >= n
+    cuts = segment_cuts(torch.cat([index, tail]), segments, skip=skip, piece=math.isqrt(padded))
+    bags = torch.randint(0, 40, (n,), generator=g)
+    src = torch.randn(40, 6, generator=g)
+    full = sum_segments(cuts, src.index_select(0, bags))
+    for first in (1, 17, 90, 91):
+        assert torch.equal(sum_segments(cuts, src, first, n, rows_of=bags), full[:first]), first
 
 
 def test_cuts_planned_at_a_buckets_length_sum_a_batch_as_at_its_own():

@@ -173,6 +173,10 @@ class DevicePlanner:
         #: row gradients are summed in segments; the CPU sums them with ``index_add_``
         #: (deterministic there, and cheaper). Tests set it to run the GPU's sums on a CPU.
         self.plans_grad_cuts = dev.type == "cuda"
+        #: Whether a plan's update covers its unique rows only once the host knows their
+        #: number (``lookup.update_length``); off, every update covers the padded length
+        #: (the same bits: tests compare the two).
+        self.narrow_updates = True
         self._bind_trash()
 
     @property
@@ -287,7 +291,7 @@ class DevicePlanner:
             outs = self.graphs.run(key, body, inputs, bucket(num_ids))
         rows, inverse, slots, fill_rows, fill_slots, wb_rows, wb_slots, counts = outs[:8]
         overflow_rows = outs[8] if overflow else None
-        grad_cuts = SegmentCuts(*outs[-3:]) if piece is not None else None
+        grad_cuts = SegmentCuts(*outs[-3:], piece=piece) if piece is not None else None
         num_preloaded = 0
         if preload is not None:
             p_rows, p_slots = preload
@@ -382,7 +386,7 @@ class DevicePlanner:
         wb_slots = torch.where(wb_rows == sentinel, pad_slots, wb_slots)
         counts = torch.stack([num_unique, num_fills, num_wb, num_overflow])
         if piece is not None:  # (the padding has no gradient rows: left out)
-            outs.extend(segment_cuts(inverse, n, skip=padding, piece=piece))
+            outs.extend(segment_cuts(inverse, n, skip=padding, piece=piece)[:3])
         return (rows, inverse, slots, fill_rows, fill_slots, wb_rows, wb_slots, counts, *outs)
 
     def _window(self, size: int, n: int) -> torch.Tensor:
@@ -518,18 +522,22 @@ class DevicePlanner:
 
     def split_overflow(self, plan: FetchPlan, row_grads: torch.Tensor) -> Tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``(slots, grads, rows)`` for the cache's update at the plan's full length (its
-        overflow entries sent to the trash with zero gradients, so the update has the shape it
-        has without overflow: the cache size never changes a result) and ``(rows, grads)`` of
-        the overflow rows, in their order (None without overflow)."""
+        """``(slots, grads, rows)`` for the cache's update of the plan's first ``m =
+        len(row_grads)`` rows (all ``n``, or its unique rows, which come first: see
+        ``lookup.update_length``), its overflow entries sent to the trash with zero
+        gradients, so the update has the shape it has without overflow (the cache size never
+        changes a result); and ``(rows, grads)`` of the overflow rows, in their order (None
+        without overflow)."""
+        m = int(row_grads.shape[0])
+        slots, rows = plan.slots.narrow(0, 0, m), plan.rows.narrow(0, 0, m)
         if plan.overflow_rows is None or plan.num_overflow == 0:
-            return plan.slots, row_grads, plan.rows, None, None
-        in_cache = plan.slots < plan.overflow_base
-        cached = torch.where(in_cache, plan.slots, self._pads(plan.n)[2])
+            return slots, row_grads, rows, None, None
+        in_cache = slots < plan.overflow_base
+        cached = torch.where(in_cache, slots, self._pads(m)[2])
         over = plan.overflow_rows.narrow(0, 0, plan.num_overflow)
-        ranks = (plan.slots - plan.overflow_base).clamp(min=0)
-        order = torch.argsort(torch.where(in_cache, plan.n, ranks), stable=True).narrow(0, 0, plan.num_overflow)
-        return cached, row_grads * in_cache.unsqueeze(1), plan.rows, over, row_grads.index_select(0, order)
+        ranks = (slots - plan.overflow_base).clamp(min=0)
+        order = torch.argsort(torch.where(in_cache, m, ranks), stable=True).narrow(0, 0, plan.num_overflow)
+        return cached, row_grads * in_cache.unsqueeze(1), rows, over, row_grads.index_select(0, order)
 
     def trash_slots(self, n: int) -> torch.Tensor:
         """Where entries of a skipped update are written (the padding pairs' trash slots)."""

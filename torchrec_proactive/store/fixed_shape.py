@@ -94,6 +94,8 @@ class SegmentCuts(NamedTuple):
     order: torch.Tensor
     bounds: torch.Tensor
     segment_bounds: torch.Tensor
+    #: The piece length the cuts were made with (0: not known, see :func:`sum_segments`).
+    piece: int = 0
 
 
 def segment_sum(index: torch.Tensor, src: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -154,15 +156,36 @@ def segment_cuts(index: torch.Tensor, num_segments: int, skip: Optional[torch.Te
                                                                     dtype=piece_segment.dtype))
     if skip is not None:
         order = torch.where(ordered == num_segments, 0, order)  # (read by no segment's sum)
-    return SegmentCuts(order, bounds, segment_bounds)
+    return SegmentCuts(order, bounds, segment_bounds, piece)
 
 
-def sum_segments(cuts: SegmentCuts, src: torch.Tensor) -> torch.Tensor:
+def sum_segments(cuts: SegmentCuts, src: torch.Tensor, num_segments: Optional[int] = None,
+                 num_entries: Optional[int] = None, rows_of: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per segment, the sum of its entries' rows of ``src`` (``[entries, d]``), cut as
-    ``cuts`` says: two ``embedding_bag`` sums and no sort."""
-    num_segments = int(cuts.segment_bounds.shape[0]) - 1
-    if src.shape[0] == 0:
-        return torch.zeros(num_segments, *src.shape[1:], dtype=src.dtype, device=src.device)
-    partial = F.embedding_bag(cuts.order, src, cuts.bounds, mode="sum", include_last_offset=True)
-    return F.embedding_bag(torch.arange(partial.shape[0], device=src.device), partial, cuts.segment_bounds,
+    ``cuts`` says: two ``embedding_bag`` sums and no sort.
+
+    ``rows_of``: entry ``i``'s row is ``src[rows_of[i]]`` (a gather folded into the first
+    sum's indices, so that the entries' rows are never materialised).
+
+    ``num_segments`` (with ``num_entries``, the entries that are not skipped, and the cuts'
+    ``piece``): only the first segments are summed, and only the pieces that can hold them
+    are (``num_segments + ceil(num_entries / piece)`` at most: a piece starts at every
+    segment and every ``piece`` entries). Each sum is the same, in the same order, as
+    without it: the work follows the segments asked for, not the cuts' padded length."""
+    total = int(cuts.segment_bounds.shape[0]) - 1
+    order, bounds, segment_bounds = cuts.order, cuts.bounds, cuts.segment_bounds
+    if num_segments is not None and num_segments < total and num_entries is not None and cuts.piece > 0:
+        pieces = min(int(bounds.shape[0]) - 1, num_segments + -(-num_entries // cuts.piece))
+        # The entries not skipped come first; pieces past them (the skipped entries', the
+        # padding's) end up empty, never reading past ``num_entries``.
+        order = order.narrow(0, 0, num_entries)
+        bounds = bounds.narrow(0, 0, pieces + 1).clamp(max=num_entries)
+        segment_bounds = segment_bounds.narrow(0, 0, num_segments + 1)
+        total = num_segments
+    if src.shape[0] == 0 or order.shape[0] == 0:
+        return torch.zeros(total, *src.shape[1:], dtype=src.dtype, device=src.device)
+    if rows_of is not None:
+        order = rows_of.index_select(0, order)
+    partial = F.embedding_bag(order, src, bounds, mode="sum", include_last_offset=True)
+    return F.embedding_bag(torch.arange(partial.shape[0], device=src.device), partial, segment_bounds,
                            mode="sum", include_last_offset=True)

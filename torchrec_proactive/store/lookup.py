@@ -206,9 +206,32 @@ def _pool(batch: TableBatch, per_sample_weights: Optional[torch.Tensor]) -> torc
     return pooled
 
 
-def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Tensor], want_psw_grad: bool):
-    """Gradient per unique row of ``batch`` (summed in row order), and of the sample weights."""
+def update_length(batch: TableBatch) -> int:
+    """How many of the plan's rows (``plan.rows``, unique rows first) its update covers: on
+    the GPU's path (the plan carries its gradient cuts), its unique rows once the host knows
+    their number - the copy of the plan's sizes has landed, which ``poll_sizes`` checks
+    without waiting (the steady state at a prefetch depth of 1 or more) - and all ``n``
+    otherwise (padding included). Either way every row gets the same bits: the sums and the
+    row updates of the first rows do not depend on the rows after them (FBGEMM's backward
+    runs over its unique rows, reading their number on the device)."""
+    plan = batch.plan
+    if plan.grad_cuts is None or not getattr(batch.table.planner, "narrow_updates", False):
+        return plan.n
+    if plan.sizes is None and not plan.poll_sizes():
+        return plan.n
+    return min(plan.n, plan.num_rows)  # type: ignore[union-attr]
+
+
+def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Tensor], want_psw_grad: bool,
+               length: Optional[int] = None):
+    """Gradient per unique row of ``batch`` (summed in row order), and of the sample weights:
+    the plan's first ``length`` rows (default all ``plan.n``; see :func:`update_length`)."""
     table = batch.table
+    cuts = batch.plan.grad_cuts
+    if cuts is not None and psw is None and (batch.bag_of_value is None or batch.mode == "sum"):
+        # Each id's gradient is its bag's, unscaled: the sums gather the bags' rows
+        # themselves, and no per-id copy of the gradients is made.
+        return sum_segments(cuts, grad_out, length, int(batch.inverse.shape[0]), batch.bag_of_value), None
     if batch.bag_of_value is None:
         g = grad_out  # one value per bag (a mean over one value divides by 1)
     else:
@@ -226,11 +249,10 @@ def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Te
             grad_psw = (g * _value_rows(batch)).sum(dim=1)
         g = g * psw.unsqueeze(1)
     num_rows = batch.plan.n  # (a device plan's rows are padded: its slots are too)
-    cuts = batch.plan.grad_cuts
     if cuts is not None:
         # No atomics on duplicate rows (the same sums, in the same order, on every run), and
         # no sort here: the cuts were planned with the ids (DevicePlanner.plan_ids).
-        row_grads = sum_segments(cuts, g)
+        row_grads = sum_segments(cuts, g, length, int(batch.inverse.shape[0]))
     elif g.device.type == "cpu":
         # index_add_ adds in value order on CPU: deterministic, and cheaper than a sort.
         row_grads = torch.zeros(num_rows, table.dim, dtype=g.dtype, device=g.device)
@@ -297,7 +319,7 @@ def update_group(
             g = torch.zeros(batch.num_bags, batch.table.dim, device=batch.table.device)
         g = clip_output_gradient(batch.table.optimizer, g)  # FBGEMM's gradient_clipping
         k = weighted.index(i) if w is not None else -1
-        row_grads, grad_psw = _row_grads(batch, g, w, bool(k >= 0 and want_psw[k]))
+        row_grads, grad_psw = _row_grads(batch, g, w, bool(k >= 0 and want_psw[k]), update_length(batch))
         grads.append(row_grads)
         if w is not None:
             psw_grads.append(grad_psw)
@@ -308,7 +330,7 @@ def update_group(
         ok = _all_finite(grads)
         for batch, row_grads in zip(batches, grads):
             batch.table.planner.note_update(ok)  # type: ignore[union-attr]
-            batch.table.apply_gradients(batch.plan, row_grads, checked=True, ok=ok)
+            batch.table.apply_gradients(batch.plan, row_grads, checked=True, ok=ok, consume=True)
         return psw_grads
     bad = [b.table for b, rg in zip(batches, grads) if not bool(torch.isfinite(rg.sum()))]
     if bad:

@@ -201,25 +201,31 @@ def _row_change(
     state: Dict[str, torch.Tensor],
     step: int,
     weight: Optional[torch.Tensor],
+    scratch_grad: bool = False,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """``(scale, change)`` with the new rows ``scale * w + change`` (``scale`` None: 1), all in
     FP32; ``state`` rows are updated in place. ``weight`` (FP32) is read only when the rule
     reads it (``cfg.decay_rule``). The sign is folded into the learning rate (negation is
-    exact), so a rule without ``scale`` is one ``index_add_`` on the caller's fast path."""
+    exact), so a rule without ``scale`` is one ``index_add_`` on the caller's fast path.
+    ``scratch_grad``: ``grad`` may be overwritten (it becomes ``change``). Temporaries are
+    reused in place: the same values as the out-of-place forms, with fewer bytes moved."""
     neg_lr = -cfg.learning_rate
     if cfg.optim is OptimType.EXACT_SGD:
-        return None, grad * neg_lr
+        return None, grad.mul_(neg_lr) if scratch_grad else grad * neg_lr
     if cfg.optim is OptimType.EXACT_ADAGRAD:
         m = state["momentum1"]
-        m.add_(grad * grad)
-        return None, neg_lr * grad / (m.sqrt() + cfg.eps)
+        m.add_(grad.square())
+        denom = m.sqrt().add_(cfg.eps)
+        change = grad.mul_(neg_lr) if scratch_grad else neg_lr * grad
+        return None, change.div_(denom)
     if cfg.optim is OptimType.EXACT_ROWWISE_ADAGRAD:
         rule = cfg.decay_rule
         decayed = grad + cfg.weight_decay * weight if rule == "l2" else grad
         m = state["momentum1"]
-        m.add_((decayed * decayed).mean(dim=1))
+        m.add_(decayed.square().mean(dim=1))  # (square is x * x, reading x once)
         multiplier = cfg.learning_rate / (m.sqrt() + cfg.eps)
-        change = (-multiplier).unsqueeze(1) * grad  # FBGEMM: correction * w - multiplier * g
+        # FBGEMM: correction * w - multiplier * g
+        change = grad.mul_((-multiplier).unsqueeze(1)) if scratch_grad else (-multiplier).unsqueeze(1) * grad
         if rule == "l2":
             return (1.0 - multiplier * cfg.weight_decay).unsqueeze(1), change
         if rule == "decoupled":
@@ -230,12 +236,12 @@ def _row_change(
     m1, m2 = state["momentum1"], state["momentum2"]
     m1.mul_(cfg.beta1).add_(grad, alpha=1.0 - cfg.beta1)
     m2.mul_(cfg.beta2).addcmul_(grad, grad, value=1.0 - cfg.beta2)
-    m1_hat = m1 / (1.0 - cfg.beta1**step)
-    m2_hat = m2 / (1.0 - cfg.beta2**step)
-    update = m1_hat / (m2_hat.sqrt() + cfg.eps)
+    # m1_hat / (sqrt(m2_hat) + eps), each step in place on its own temporary.
+    denom = (m2 / (1.0 - cfg.beta2**step)).sqrt_().add_(cfg.eps)
+    update = (m1 / (1.0 - cfg.beta1**step)).div_(denom)
     if cfg.decay_rule == "adam":
-        update = update + cfg.weight_decay * weight
-    return None, neg_lr * update
+        update.add_(cfg.weight_decay * weight)
+    return None, update.mul_(neg_lr)
 
 
 @torch.no_grad()
@@ -267,6 +273,7 @@ def update_rows(
     step: int,
     stochastic_rows: Optional[torch.Tensor] = None,
     target: Optional[torch.Tensor] = None,
+    scratch_grad: bool = False,
 ) -> None:
     """Updates rows ``index`` (unique) of the tables ``weight``/``state`` in place with ``grad``.
 
@@ -277,19 +284,21 @@ def update_rows(
     The update is computed in FP32 and each new row rounded once into ``weight``'s dtype
     (see :func:`round_rows`; ``stochastic_rows``: the ids of the updated rows, to round FP16
     stochastically). An FP32 table whose rule reads no weight takes the change with one
-    ``index_add_`` (the rows are gathered only when needed).
+    ``index_add_`` (the rows are gathered only when needed). ``scratch_grad``: ``grad`` is
+    the caller's scratch and may be overwritten.
     """
+    scratch = scratch_grad or grad.dtype != torch.float32
     g = grad if grad.dtype == torch.float32 else grad.float()
     gathered = {k: v.index_select(0, index) for k, v in state.items()}
     reads_weight = cfg.decay_rule != "none"
     if weight.dtype == torch.float32 and not reads_weight and not cfg.renorms:
-        _, change = _row_change(cfg, g, gathered, step, None)
+        _, change = _row_change(cfg, g, gathered, step, None, scratch)
         # (where ``target`` differs from ``index`` it points at scratch rows: adding the
         # change there instead is as good as writing the new rows there)
         weight.index_add_(0, index if target is None else target, change)
     else:
         rows = weight.index_select(0, index).float()
-        scale, change = _row_change(cfg, g, gathered, step, rows if reads_weight else None)
+        scale, change = _row_change(cfg, g, gathered, step, rows if reads_weight else None, scratch)
         new = (rows if scale is None else scale * rows) + change
         stored = round_rows(new, weight.dtype, stochastic_rows, cfg.rounding_seed, step)
         if cfg.renorms:

@@ -681,17 +681,23 @@ class TieredTable:
     # ------------------------------------------------------------------ backward
     @torch.no_grad()
     def apply_gradients(self, plan: FetchPlan, row_grads: torch.Tensor, checked: bool = False,
-                        ok: Optional[torch.Tensor] = None) -> None:
+                        ok: Optional[torch.Tensor] = None, consume: bool = False) -> None:
         """Applies the fused optimizer to the plan's rows and releases the plan.
 
         ``row_grads[i]`` is the gradient of ``plan.rows[i]`` summed over the batch (a device
-        plan's padding rows have zero gradients and live in the trash slots). Non-finite
-        gradients are refused before anything is written (``checked``: the caller already
-        verified that they are finite). ``ok`` (a 0-d device bool; device planner) skips the
-        update without a host read when False: every row keeps its value and state.
+        plan's padding rows have zero gradients and live in the trash slots). A device plan
+        whose sizes the host knows may be given its unique rows' gradients only (the first
+        ``plan.num_rows`` rows: the padding's are zero), so the update touches those rows and
+        no padding (``lookup.update_length``). Non-finite gradients are refused before
+        anything is written (``checked``: the caller already verified that they are finite).
+        ``ok`` (a 0-d device bool; device planner) skips the update without a host read when
+        False: every row keeps its value and state. ``consume``: ``row_grads`` is the
+        caller's scratch, which the update may overwrite (fewer bytes moved).
         """
         self.planner.check_owner()
-        if row_grads.shape != (plan.n, self.dim):
+        m = int(row_grads.shape[0]) if row_grads.dim() == 2 else -1
+        unique_only = plan.planned_on_device and plan.sizes is not None and plan.sizes[0] <= m < plan.n
+        if row_grads.dim() != 2 or int(row_grads.shape[1]) != self.dim or (m != plan.n and not unique_only):
             raise InvalidInputError(
                 f"table '{self.name}': gradient shape {tuple(row_grads.shape)} does not match ({plan.n}, {self.dim})"
             )
@@ -704,7 +710,10 @@ class TieredTable:
             )
         step = plan.optimizer_step or self._advance_step()  # (looked up without a counted forward)
         if plan.released:
+            if unique_only:  # (the slow path plans the plan's n rows again: the padding's gradients are zero)
+                row_grads = torch.cat([row_grads, row_grads.new_zeros(plan.n - m, self.dim)])
             plan, row_grads = self._plan_again(plan, row_grads)
+            consume = True
         slots, grads, rows, over_rows, over_grads = self.planner.split_overflow(plan, row_grads)
         # A skipped update (``ok`` False) is computed all the same and written to the trash
         # slots: fixed-shape, no host decision, and no copy of the rows to select from.
@@ -712,7 +721,8 @@ class TieredTable:
         # The gradients stay FP32 whatever the table's dtype: FBGEMM computes the update in
         # FP32 and rounds the new row once (``update_rows``).
         update_rows(self.optimizer, self.cache_weight, self.cache_state, slots, grads, step,
-                    self._stochastic_rows(rows, self.device), target=target)
+                    self._stochastic_rows(rows, self.device), target=target,
+                    scratch_grad=consume or grads is not row_grads)
         if over_rows is not None:
             self._update_overflow(over_rows, over_grads, step, ok)  # type: ignore[arg-type]
         self.planner.mark_dirty(plan)
