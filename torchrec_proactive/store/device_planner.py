@@ -177,6 +177,8 @@ class DevicePlanner:
         #: number (``lookup.update_length``); off, every update covers the padded length
         #: (the same bits: tests compare the two).
         self.narrow_updates = True
+        self.updates_unique = 0  # updates that covered their unique rows (the sizes had landed)
+        self.updates_padded = 0  # updates that covered the padded length (they had not)
         self._bind_trash()
 
     @property

@@ -214,12 +214,14 @@ def update_length(batch: TableBatch) -> int:
     otherwise (padding included). Either way every row gets the same bits: the sums and the
     row updates of the first rows do not depend on the rows after them (FBGEMM's backward
     runs over its unique rows, reading their number on the device)."""
-    plan = batch.plan
-    if plan.grad_cuts is None or not getattr(batch.table.planner, "narrow_updates", False):
+    plan, planner = batch.plan, batch.table.planner
+    if plan.grad_cuts is None or not getattr(planner, "narrow_updates", False):
         return plan.n
     if plan.sizes is None and not plan.poll_sizes():
+        planner.updates_padded += 1  # type: ignore[union-attr]
         return plan.n
-    return min(plan.n, plan.num_rows)  # type: ignore[union-attr]
+    planner.updates_unique += 1  # type: ignore[union-attr]
+    return min(plan.n, plan.num_rows)
 
 
 def _row_grads(batch: TableBatch, grad_out: torch.Tensor, psw: Optional[torch.Tensor], want_psw_grad: bool,

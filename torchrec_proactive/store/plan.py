@@ -11,6 +11,7 @@ the training thread.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
@@ -18,6 +19,8 @@ import torch
 
 from .errors import StoreStateError
 from .fixed_shape import SegmentCuts
+
+_SIZES_LOCK = threading.Lock()
 
 #: A plan's sizes: unique rows, fills, write-backs, overflow rows.
 Sizes = Tuple[int, int, int, int]
@@ -118,9 +121,14 @@ class FetchPlan:
 
     # ------------------------------------------------------------------ sizes
     def take_sizes(self, sizes: Sizes) -> None:
-        """Hands the plan's sizes to the host; the table counts them (once per plan)."""
-        self.sizes = tuple(int(v) for v in sizes)  # type: ignore[assignment]
-        self.table._sizes_known(self)  # noqa: SLF001 - the table's bookkeeping of its own plan
+        """Hands the plan's sizes to the host; the table counts them (once per plan, whichever
+        thread gets them first: the training thread, the fetch worker, or autograd's device
+        thread, where the backward asks for them - ``lookup.update_length``)."""
+        with _SIZES_LOCK:
+            if self.sizes is not None and self.counts is not None:
+                return
+            self.sizes = tuple(int(v) for v in sizes)  # type: ignore[assignment]
+            self.table._sizes_known(self)  # noqa: SLF001 - the table's bookkeeping of its own plan
 
     def resolve_sizes(self) -> Sizes:
         """The plan's sizes, waiting for its planning on the device if need be (call it where
