@@ -10,8 +10,9 @@ staging) the way the TorchRec kernel does, and reports what a GPU user cares abo
    holds several batches and once with one so small that prefetches wait and rows overflow;
 2. ``host_syncs_per_step``: synchronisations in the steady state (CUDA:
    ``torch.cuda.set_sync_debug_mode("warn")``, counted on every thread but the fetch
-   worker's - autograd's device thread runs the backward there; CPU: the same steps on fake
-   CUDA tensors under ``sync_detector``);
+   worker's - autograd's device thread runs the backward there - from the end of the
+   warm-up to the end of the last step, never in the flush and drain after the loop, which
+   wait on purpose; CPU: the same steps on fake CUDA tensors under ``sync_detector``);
 3. ``host_steps_ahead_of_gpu``: whole training steps the host enqueues while a 200 ms
    ``torch.cuda._sleep`` holds the compute stream (the check no event or thread wait can
    fool: with none, the host gets at least ``depth`` steps ahead); null on CPU;
@@ -21,17 +22,25 @@ staging) the way the TorchRec kernel does, and reports what a GPU user cares abo
    and host-to-device; ids drawn, uploaded and planned before the clock) vs a plain pinned
    copy of the same bytes;
 6. ``compute_slowdown_while_fetching``: matmuls on the compute stream alone vs while the
-   copy stream fetches (no device-wide synchronize in between, which would drain it);
+   copy stream fetches, the fetches issued after the timed region starts (planned before
+   it), so that their moves run during the matmuls; ``fetches_overlapped_matmuls`` says
+   whether they did (no device-wide synchronize in between, which would drain it);
 7. ``plan_ms_per_step_by_ids``: device planning time per step at 25k, 250k and 2M ids per
    rank (Zipf ids) on a warm cache big enough not to overflow (CUDA: 50M slots), from CUDA
-   events;
+   events; ``plan_ms_per_step_by_ids_in_flight`` the same with 2 batches in flight, and
+   ``update_ms_per_step_by_ids`` the backward with the fused update (dim 128 on CUDA), from
+   whole training steps at depth 2;
 8. ``plan_launches_per_group_step``, ``update_launches_per_group_step`` and
    ``plan_ops_identical_across_cache_sizes``: kernel launches of one group's plan and of its
    backward with the fused update (row-wise Adagrad), and whether planning, lookup and update issue the same ops
    touching the same bytes at 1M and 10M slots (a counting dispatch mode over fake CUDA
-   tensors: the same on any machine);
+   tensors, graph capture off: the same on any machine); ``update_bytes_per_group_step``
+   at ``update_ids`` x ``dim`` (2M x 128), the plan's sizes landed;
 9. ``per_table_bounds_ok``: an id past its own table (inside the group's row space) is
-   counted on the device.
+   counted on the device;
+10. ``host_tier_bytes_ratio``: host bytes of the TorchRec path (``from_stock``) over table
+   + optimizer state (null without TorchRec); ``plan_graph_cache_bytes``: device memory
+   of the plan graphs' cache; ``move_grid_blocks_max``: the largest grid of a row move.
 
 Under 5 minutes on one H100/H200. ``--device cpu`` runs the same code paths on CPU (no
 host-to-device link: its bandwidth and host-lead figures are null; its planning sizes stop
@@ -65,6 +74,7 @@ from torchrec_proactive.store import (  # noqa: E402
     pooled_lookup,
 )
 from torchrec_proactive.store import lookup as lookup_module  # noqa: E402
+from torchrec_proactive.store.row_moves import MOVE_STATS, reset_move_stats  # noqa: E402
 from torchrec_proactive.store.sync_detector import HostSyncError, fake_cuda  # noqa: E402
 
 DEPTHS = (0, 1, 2, 4, 8)
@@ -99,8 +109,9 @@ class SyncCounter:
 
     WORKER = "proactive-fetch"
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = True) -> None:
         self.count = 0
+        self.cuda = cuda  # (False: warnings raised by the caller stand for CUDA's; tests)
         self._thread = threading.get_ident()
 
     def __enter__(self) -> "SyncCounter":
@@ -114,11 +125,13 @@ class SyncCounter:
         self._filters = warnings.catch_warnings()
         self._filters.__enter__()
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        torch.cuda.set_sync_debug_mode("default")
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
         self._filters.__exit__(*exc)
         warnings.showwarning = self._old
 
@@ -198,23 +211,35 @@ def host_syncs(device: torch.device, quick: bool) -> Dict[str, Any]:
                 except HostSyncError:
                     errors += 1
         return {"host_syncs_per_step": errors / steps, "how": "fake CUDA tensors under sync_detector"}
+    counted = count_syncs(device, SyncCounter())
+    return {**counted, "how": "torch.cuda.set_sync_debug_mode('warn') on every thread but the fetch worker"}
+
+
+def count_syncs(device: torch.device, counter: SyncCounter, steps: int = 12, warm: int = 4) -> Dict[str, Any]:
+    """Synchronisations ``counter`` sees per steady-state step of ``train`` at depth 2: from
+    the end of step ``warm - 1`` to the end of the last step. The window closes there,
+    before the flush and the drain that follow the loop: those wait on purpose (a drain
+    reads every plan's sizes on the host), and no training step waits for them."""
+    rows, dim, bags, per_bag = 200_000, 64, 2048, 4
     batches = make_batches(steps, rows, bags, per_bag, dim, device, seed=2)
     init = torch.randn(rows, dim)
-    counter = SyncCounter()
-    warm = 4
+    window = {"open": False, "closed_at_step": None}
 
     def on_step(i: int) -> None:
         if i == warm - 1:
             counter.__enter__()
+            window["open"] = True
+        elif i == steps - 1 and window["open"]:
+            counter.__exit__(None, None, None)
+            window["open"], window["closed_at_step"] = False, i
 
     try:
         train(device, init, 6 * bags * per_bag, 2, batches, on_step)
     finally:
-        if threading.get_ident() == counter._thread and hasattr(counter, "_old"):
+        if window["open"]:
             counter.__exit__(None, None, None)
-    # (the flush and drain after the loop are not steady state; they ran after the counter)
-    return {"host_syncs_per_step": counter.count / (steps - warm),
-            "how": "torch.cuda.set_sync_debug_mode('warn') on every thread but the fetch worker"}
+    return {"host_syncs_per_step": counter.count / (steps - warm), "steps_counted": steps - warm,
+            "window_closed_before_flush": window["closed_at_step"] == steps - 1}
 
 
 def bandwidth(device: torch.device, quick: bool) -> Dict[str, Any]:
@@ -262,50 +287,146 @@ def bandwidth(device: torch.device, quick: bool) -> Dict[str, Any]:
 
 
 def interference(device: torch.device, quick: bool) -> Dict[str, Any]:
+    """Matmuls on the compute stream alone, then again while the copy stream moves six
+    tickets' rows. Everything a fetch needs but its moves (ids drawn and uploaded, plans
+    made) is done before the clock; the fetches are issued *after* the timed region starts
+    (``start.record()``), so their moves overlap the matmuls instead of finishing before
+    them. The check says whether they did: ``fetches_issued_in_timed_region`` and, on CUDA,
+    when the copy stream finished, from an event recorded behind the moves."""
     n = 8192 if device.type == "cuda" else 384
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     reps = 20 if device.type == "cuda" else 4
 
-    def matmuls() -> float:
+    def matmuls(during: Callable[[], Any] = lambda: None) -> Dict[str, Any]:
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            fetched = during()  # (enqueues the moves on the copy stream, behind start)
             for _ in range(reps):
                 a @ b
             end.record()
             end.synchronize()  # only this stream's events: the copy stream keeps running
-            return start.elapsed_time(end)
+            out = {"ms": start.elapsed_time(end)}
+            if fetched is not None:
+                fetched.synchronize()
+                out["fetch_done_ms_after_start"] = start.elapsed_time(fetched)
+            return out
         t0 = time.perf_counter()
+        during()
         for _ in range(reps):
             a @ b
-        return 1e3 * (time.perf_counter() - t0)
+        return {"ms": 1e3 * (time.perf_counter() - t0)}
 
     matmuls()
-    alone = matmuls()
+    alone = matmuls()["ms"]
     rows, dim = (2_000_000, 128) if device.type == "cuda" else (200_000, 64)
     table = device_table("if", host_tensor(torch.randn(rows, dim), device), OptimizerConfig(),
                               num_slots=rows // 2, device=device)
     engine = FetchEngine(make_transport(device))
     g = torch.Generator().manual_seed(4)
-    tickets = []
-    for _ in range(6):
-        ids = torch.randperm(rows, generator=g)[: rows // 16].to(device)
-        tb = plan_device_batch(table, ids, torch.arange(ids.shape[0] + 1, device=device))
-        tickets.append((engine.issue([tb.plan]), tb.plan))
-    together = matmuls()
-    for ticket, plan in tickets:
+    plans = []
+    for _ in range(6):  # (before the clock: ids drawn, uploaded and planned)
+        ids = host_tensor(torch.randperm(rows, generator=g)[: rows // 16], device).to(device, non_blocking=True)
+        plans.append(plan_device_batch(table, ids, torch.arange(ids.shape[0] + 1, device=device)).plan)
+    sync(device)
+    tickets: List[Any] = []
+
+    def fetch() -> Any:
+        for plan in plans:
+            tickets.append(engine.issue([plan]))
+        if device.type == "cuda":
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(engine.transport.copy_stream)  # (behind every move just enqueued)
+            return done
+        return None
+
+    together = matmuls(fetch)
+    for ticket, plan in zip(tickets, plans):
         engine.wait(ticket)
         table.release(plan)
     engine.close()
-    return {"matmul_alone_ms": alone, "matmul_while_fetching_ms": together,
-            "compute_slowdown_while_fetching": together / alone - 1.0}
+    out = {"matmul_alone_ms": alone, "matmul_while_fetching_ms": together["ms"],
+           "compute_slowdown_while_fetching": together["ms"] / alone - 1.0,
+           "fetches_issued_in_timed_region": len(tickets), "tickets": len(plans)}
+    if "fetch_done_ms_after_start" in together:
+        out["fetch_done_ms_after_start"] = together["fetch_done_ms_after_start"]
+        # The moves ran while the matmuls did (they ended inside the timed region).
+        out["fetches_overlapped_matmuls"] = together["fetch_done_ms_after_start"] <= together["ms"]
+    return out
+
+
+class _Spans:
+    """Durations of code spans on the device's timeline: CUDA events around each span
+    (read once everything ran), or the host's clock on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: List[Any] = []
+        self.ms: List[float] = []
+
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self._pending.append((start, end))
+                return out
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.ms.append(1e3 * (time.perf_counter() - t0))
+            return out
+        return run
+
+    def collect(self) -> List[float]:
+        sync(self.device)
+        self.ms.extend(start.elapsed_time(end) for start, end in self._pending)
+        self._pending.clear()
+        return self.ms
+
+
+def _median(xs: List[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
+
+
+def steady_steps(device: torch.device, rows: int, dim: int, slots: int, n: int, depth: int, steps: int,
+                 seed: int) -> Dict[str, Any]:
+    """Training steps of ``n`` Zipf ids (one per bag) at ``depth`` batches in flight, with
+    the fetch engine's moves, the lookup and the backward with the fused row-wise Adagrad:
+    per step, the time of the plan (``k`` batches in flight: its victim window covers their
+    pins too) and of the backward with the update, after ``depth + 2`` warm-up steps."""
+    table = device_table("steps", host_tensor(torch.zeros(rows, dim), device),
+                         OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01),
+                         num_slots=slots, device=device)
+    engine = FetchEngine(make_transport(device))
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(n + 1, device=device)
+    batches = [(zipf_ids(rows, n, 1.05, g).to(device), offsets, None, None) for _ in range(steps)]
+    grad = torch.ones(n, dim, device=device)
+    anchor = torch.empty(0, device=device, requires_grad=True)
+    plans, updates = _Spans(device), _Spans(device)
+    table.plan_ids = plans.timed(table.plan_ids)  # type: ignore[method-assign]
+    backward = updates.timed(lambda out: out.backward(grad))
+    run_lookahead(table, engine, batches, depth, lambda i, tb, batch: backward(pooled_lookup(tb, anchor)))
+    engine.drain()
+    warm = depth + 2
+    planner = table.planner
+    out = {"plan_ms": _median(plans.collect()[warm:]), "update_ms": _median(updates.collect()[warm:]),
+           "updates_on_unique_rows": planner.updates_unique, "updates_padded": planner.updates_padded,
+           "plan_graph_cache_bytes": planner.graphs.memory_bytes()}
+    engine.close()
+    return out
 
 
 def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
     """Device planning time per step by ids per rank, on a cache big enough that no batch
     overflows (an overflow plan reads its sizes on the host: another path), kept warm (no
-    invalidation between steps: the steady state), from CUDA events."""
+    invalidation between steps: the steady state), from CUDA events; then whole steps at
+    depth 2 (two batches in flight while each is planned), timing the plan and the backward
+    with the fused update, the step's largest cost (``update_ms_per_step_by_ids``, dim 128
+    on CUDA)."""
     sizes = [25_000, 250_000, 2_000_000] if device.type == "cuda" else [25_000, 250_000]
     if device.type == "cuda" and not quick:
         rows, slots, dim = 60_000_000, 50_000_000, 4  # the issue's target: 2M ids, a 50M-slot cache
@@ -337,53 +458,92 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
             table.release(plan)
         # (the first plan of a size runs eagerly and the second captures its graph on CUDA)
         out[str(n)] = sorted(times[2:])[len(times[2:]) // 2]
+    depth = 2
+    step_sizes = sizes if device.type == "cuda" else [25_000]
+    step_rows, step_dim = ((20_000_000 if not quick else 4_000_000), 128) if device.type == "cuda" else (200_000, 8)
+    in_flight: Dict[str, float] = {}
+    update: Dict[str, float] = {}
+    narrowed: Dict[str, Any] = {}
+    graph_bytes = table.planner.graphs.memory_bytes()
+    for n in step_sizes:
+        r = steady_steps(device, step_rows, step_dim, min(step_rows, (depth + 2) * n), n, depth, 8, seed=7)
+        in_flight[str(n)], update[str(n)] = r["plan_ms"], r["update_ms"]
+        narrowed[str(n)] = {"unique_rows": r["updates_on_unique_rows"], "padded": r["updates_padded"]}
+        graph_bytes = max(graph_bytes, r["plan_graph_cache_bytes"])
     return {"plan_ms_per_step_by_ids": out, "store_rows": rows, "cache_slots": slots,
-            "plan_graph_captures": table.planner.graphs.captures, "plan_graph_replays": table.planner.graphs.replays}
+            "plan_graph_captures": table.planner.graphs.captures, "plan_graph_replays": table.planner.graphs.replays,
+            "plan_ms_per_step_by_ids_in_flight": in_flight, "in_flight_depth": depth,
+            "update_ms_per_step_by_ids": update, "update_dim": step_dim, "update_optimizer": "exact_row_wise_adagrad",
+            "updates_by_ids": narrowed, "plan_graph_cache_bytes": graph_bytes}
+
+
+def _counted_steps(n: int, dim: int, rows: int, slots: int, optimizer: OptimType, steps: int = 3,
+                   unique: Any = None) -> Any:
+    """The phases of the last of ``steps`` steps (plan, lookup, update), counted on fake CUDA
+    tensors through the planner, the lookup and the fused update. ``unique``: the batch's
+    unique rows, handed to each plan before its backward as the copy of its sizes does on a
+    GPU once it has landed (the steady state at depth >= 1); None: never (depth 0). Graph
+    capture is off: a graph of fake tensors would replay nothing and count nothing (the
+    planner's PlanGraphs also never captures fake tensors)."""
+    from torchrec_proactive.store.cost_counter import CostCounter
+    from torchrec_proactive.store.row_space import device_store_rows
+    import numpy as np
+
+    starts = np.array([0, rows // 2], dtype=np.int64)
+    counter = CostCounter()
+    with fake_cuda() as guard:
+        with guard.setup():
+            table = device_table("costs", torch.empty(rows, dim), OptimizerConfig(optimizer), num_slots=slots,
+                                 device="cuda", segments=[Segment("a", 0, rows // 2),
+                                                          Segment("b", rows // 2, rows - rows // 2)])
+            table.planner.graphs.capture = False
+            start_dev = torch.tensor(starts.tolist(), device="cuda")
+            rows_dev = torch.tensor([rows // 2, rows - rows // 2], device="cuda")
+        with counter:
+            for _ in range(steps):
+                counter.reset()
+                values = torch.empty(n, dtype=torch.int64, device="cuda")
+                offsets = torch.arange(0, n + 1, 2, device="cuda")
+                with counter.phase("plan"):
+                    ids = device_store_rows(values, offsets, n // 4, starts, start_dev, rows_dev)
+                    tb = plan_device_batch(table, ids, offsets)
+                with counter.phase("lookup"):
+                    out = lookup_module.pool_group([tb], [None])[0]
+                grad_out = torch.ones_like(out)  # (autograd's, before the backward runs)
+                if unique is not None:
+                    tb.plan.take_sizes((unique, unique, 0, 0))
+                with counter.phase("update"):
+                    lookup_module.update_group([tb], [None], [grad_out], [])
+    return counter.phases, table
 
 
 def plan_costs(device: torch.device, quick: bool) -> Dict[str, Any]:
     """Launches, ops and bytes per group per step, counted on fake CUDA tensors (any machine:
     nothing runs) through the planner, the lookup and the fused update, at 1M and 10M slots
-    for the same ids: a plan's cost must follow its ids, never the cache."""
-    from torchrec_proactive.store.cost_counter import CostCounter
-    from torchrec_proactive.store.row_space import device_store_rows
-    import numpy as np
-
+    for the same ids: a plan's cost must follow its ids, never the cache. Then the update
+    (the backward with the fused row-wise Adagrad) at 2M Zipf ids x 128, its plan's sizes
+    landed (``update_bytes_per_group_step``) and not (``..._sizes_unknown``: depth 0)."""
     n, rows, dim = 8192, 20_000_000, 16
-    starts = np.array([0, rows // 2], dtype=np.int64)
-    runs = {}
-    for slots in (1_000_000, 10_000_000):
-        counter = CostCounter()
-        with fake_cuda() as guard:
-            with guard.setup():
-                table = device_table("costs", torch.empty(rows, dim),
-                                          OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD), num_slots=slots,
-                                          device="cuda", segments=[Segment("a", 0, rows // 2),
-                                                                   Segment("b", rows // 2, rows - rows // 2)])
-                start_dev = torch.tensor(starts.tolist(), device="cuda")
-                rows_dev = torch.tensor([rows // 2, rows - rows // 2], device="cuda")
-            with counter:
-                for _ in range(3):
-                    counter.reset()
-                    values = torch.empty(n, dtype=torch.int64, device="cuda")
-                    offsets = torch.arange(0, n + 1, 2, device="cuda")
-                    with counter.phase("plan"):
-                        ids = device_store_rows(values, offsets, n // 4, starts, start_dev, rows_dev)
-                        tb = plan_device_batch(table, ids, offsets)
-                    with counter.phase("lookup"):
-                        out = lookup_module.pool_group([tb], [None])[0]
-                    grad_out = torch.ones_like(out)  # (autograd's, before the backward runs)
-                    with counter.phase("update"):
-                        lookup_module.update_group([tb], [None], [grad_out], [])
-        runs[slots] = counter.phases
+    runs = {slots: _counted_steps(n, dim, rows, slots, OptimType.EXACT_ROWWISE_ADAGRAD)[0]
+            for slots in (1_000_000, 10_000_000)}
     small, large = runs[1_000_000], runs[10_000_000]
+    update_ids, update_dim = 2_000_000, 128
+    unique = int(torch.unique(zipf_ids(rows, update_ids, 1.05, torch.Generator().manual_seed(0))).numel())
+    landed, _ = _counted_steps(update_ids, update_dim, rows, 5_000_000, OptimType.EXACT_ROWWISE_ADAGRAD,
+                               unique=unique)
+    unknown, _ = _counted_steps(update_ids, update_dim, rows, 5_000_000, OptimType.EXACT_ROWWISE_ADAGRAD)
     return {
         "plan_launches_per_group_step": small["plan"].launches,
         "update_launches_per_group_step": small["update"].launches,
         "plan_ops_identical_across_cache_sizes": all(small[k].key() == large[k].key() for k in small),
         "per_phase": {k: {"ops": v.ops, "launches": v.launches, "bytes": v.bytes,
                           "largest_temporary_bytes": v.largest_temporary} for k, v in small.items()},
-        "ids_per_step": n, "how": "fake CUDA tensors under a counting dispatch mode, 1M vs 10M slots",
+        "ids_per_step": n,
+        "update_bytes_per_group_step": landed["update"].bytes, "update_ids": update_ids, "dim": update_dim,
+        "update_unique_rows": unique, "update_launches_at_update_ids": landed["update"].launches,
+        "update_bytes_per_group_step_sizes_unknown": unknown["update"].bytes,
+        "update_optimizer": OptimType.EXACT_ROWWISE_ADAGRAD.value,
+        "how": "fake CUDA tensors under a counting dispatch mode (capture off), 1M vs 10M slots",
     }
 
 
@@ -409,6 +569,19 @@ def per_table_bounds(device: torch.device, quick: bool) -> Dict[str, Any]:
         sync(device)
         counted += table.planner.bad_ids.poll()
     return {"bad_ids_counted": counted, "per_table_bounds_ok": counted == 1}
+
+
+def host_tier(device: torch.device, quick: bool) -> Dict[str, Any]:
+    """``host_tier_bytes_ratio``: host bytes the TorchRec path holds for a group's tier (the
+    rows FBGEMM allocated + what ``from_stock`` allocates) over rows + optimizer state at
+    their exact size, counted on fake CUDA tensors with FBGEMM's host-mapped memory
+    modelled (``integration/host_tier_probe.py``); null where TorchRec is not installed."""
+    try:
+        from torchrec_proactive.integration.host_tier_probe import from_stock_host_bytes
+    except ImportError as e:
+        return {"host_tier_bytes_ratio": None, "note": f"needs TorchRec and FBGEMM ({e})"}
+    r = from_stock_host_bytes("adam")
+    return {k: v for k, v in r.items() if k != "how"} | {"how": r["how"]}
 
 
 def host_lead(device: torch.device, quick: bool) -> Dict[str, Any]:
@@ -459,7 +632,8 @@ def main() -> int:
     res: Dict[str, Any] = {"info": info}
     checks = (("exactness", exactness), ("syncs", host_syncs), ("bandwidth", bandwidth),
               ("interference", interference), ("planning", planning), ("plan_costs", plan_costs),
-              ("bounds", per_table_bounds), ("host_lead", host_lead))
+              ("bounds", per_table_bounds), ("host_tier", host_tier), ("host_lead", host_lead))
+    reset_move_stats()
     for name, check in checks:
         res[name] = check(device, args.quick)
         print(f"[gpu_check] {name} {json.dumps(res[name], default=str)}", flush=True)
@@ -476,6 +650,14 @@ def main() -> int:
         "update_launches_per_group_step": res["plan_costs"]["update_launches_per_group_step"],
         "plan_ops_identical_across_cache_sizes": res["plan_costs"]["plan_ops_identical_across_cache_sizes"],
         "per_table_bounds_ok": res["bounds"]["per_table_bounds_ok"],
+        "update_bytes_per_group_step": res["plan_costs"]["update_bytes_per_group_step"],
+        "update_ids": res["plan_costs"]["update_ids"],
+        "dim": res["plan_costs"]["dim"],
+        "update_ms_per_step_by_ids": res["planning"]["update_ms_per_step_by_ids"],
+        "plan_ms_per_step_by_ids_in_flight": res["planning"]["plan_ms_per_step_by_ids_in_flight"],
+        "host_tier_bytes_ratio": res["host_tier"]["host_tier_bytes_ratio"],
+        "plan_graph_cache_bytes": res["planning"]["plan_graph_cache_bytes"],
+        "move_grid_blocks_max": MOVE_STATS["grid_blocks_max"],
         "elapsed_s": time.perf_counter() - t_start,
     }
     res.update(summary)
@@ -498,6 +680,16 @@ def main() -> int:
     print(f"| backward + fused update launches per group per step | {summary['update_launches_per_group_step']} |")
     print(f"| planning ops and bytes the same at 1M and 10M slots | {summary['plan_ops_identical_across_cache_sizes']} |")
     print(f"| id past its own table counted on the device | {summary['per_table_bounds_ok']} |")
+    print(f"| update bytes per group step at {summary['update_ids']} ids x {summary['dim']} (sizes landed) | "
+          f"{summary['update_bytes_per_group_step'] / 1e9:.2f} GB |")
+    print(f"| backward + fused update ms/step by ids (depth {res['planning']['in_flight_depth']}) | "
+          f"{summary['update_ms_per_step_by_ids']} |")
+    print(f"| planning ms/step by ids, {res['planning']['in_flight_depth']} batches in flight | "
+          f"{summary['plan_ms_per_step_by_ids_in_flight']} |")
+    ratio = summary["host_tier_bytes_ratio"]
+    print(f"| host bytes of the TorchRec path / (table + state) | {'needs TorchRec' if ratio is None else f'{ratio:.2f}'} |")
+    print(f"| plan graph cache bytes | {summary['plan_graph_cache_bytes']} |")
+    print(f"| largest row-move grid (blocks) | {summary['move_grid_blocks_max']} |")
     print(f"| wall time | {summary['elapsed_s']:.0f} s |")
     ok = (summary["bit_identical_across_depths"] and summary["host_syncs_per_step"] == 0
           and summary["plan_ops_identical_across_cache_sizes"] and summary["per_table_bounds_ok"])

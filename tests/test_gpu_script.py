@@ -44,6 +44,19 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert "needs a GPU" in rows["fetch / plain pinned copy"]
     assert "needs a GPU" in rows["host steps ahead of a 200 ms GPU sleep (depth 2)"]
     assert f"wrote {out}" in proc.stderr
+    # Issue 44's keys: the update counted at the issue's size (sizes landed), timed, and
+    # planning timed with batches in flight; the TorchRec path's host bytes; the plan-graph
+    # cache's memory; the row moves' largest grid.
+    assert res["update_ids"] == 2_000_000 and res["dim"] == 128
+    assert 0 < res["update_bytes_per_group_step"] <= 4e9
+    assert res["plan_costs"]["update_bytes_per_group_step_sizes_unknown"] > res["update_bytes_per_group_step"]
+    assert sorted(res["update_ms_per_step_by_ids"]) == ["25000"] and res["update_ms_per_step_by_ids"]["25000"] > 0
+    assert sorted(res["plan_ms_per_step_by_ids_in_flight"]) == ["25000"]
+    assert res["host_tier_bytes_ratio"] is not None and res["host_tier_bytes_ratio"] <= 1.05
+    assert isinstance(res["plan_graph_cache_bytes"], int) and res["plan_graph_cache_bytes"] > 0
+    assert isinstance(res["move_grid_blocks_max"], int) and res["move_grid_blocks_max"] > 0
+    assert res["interference"]["fetches_issued_in_timed_region"] == res["interference"]["tickets"] == 6
+    assert "host_syncs_per_step" in res["syncs"]
 
 
 def test_gpu_check_asked_for_cuda_without_one():

@@ -161,9 +161,21 @@ class _Entry:
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     packed: Optional[torch.Tensor] = None  # the graph's output (its own memory)
     runs: int = 0
+    graph_bytes: int = 0  # device memory the capture took from the pool (measured there)
+
+    def memory_bytes(self) -> int:
+        staged = sum(t.numel() * t.element_size() for t in self.inputs)
+        packed = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+        return staged + max(packed, self.graph_bytes)
 
 
 Body = Callable[..., Sequence[torch.Tensor]]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -203,7 +215,9 @@ class PlanGraphs:
             self._entries[(key, length, tuple(t.shape[0] for t in inputs[1:]))] = entry
         self._stage(entry, inputs)
         entry.runs += 1
-        if self.capture and entry.runs >= 2:
+        # (fake tensors - a counting run on a GPU machine - hold no memory a graph could
+        # replay: they run eagerly, under the check, so their kernels are seen and counted)
+        if self.capture and entry.runs >= 2 and not _is_fake(inputs[0]):
             if entry.graph is None:
                 self._capture(entry, body)
             entry.graph.replay()
@@ -245,6 +259,7 @@ class PlanGraphs:
             self._stream = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
+        before = torch.cuda.memory_allocated(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -255,7 +270,13 @@ class PlanGraphs:
                 graph.capture_end()
         current.wait_stream(self._stream)
         entry.graph = graph
+        entry.graph_bytes = max(0, torch.cuda.memory_allocated(self.device) - before)
         self.captures += 1
+
+    def memory_bytes(self) -> int:
+        """Device memory the cache of plans holds: staging buffers, and each graph's memory
+        (its outputs; on a GPU what its capture took from the pool)."""
+        return sum(e.memory_bytes() for e in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -31,7 +31,27 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["move_rows_", "triton_move_rows", "moves_on_device", "device_alias"]
+__all__ = ["move_rows_", "triton_move_rows", "moves_on_device", "device_alias", "move_grid", "MOVE_STATS",
+           "reset_move_stats"]
+
+
+#: The launch configuration of the moves issued so far (any device: what the CUDA kernel
+#: launches, or would): the largest grid, in blocks. ``reset_move_stats`` clears it.
+MOVE_STATS = {"grid_blocks_max": 0, "moves": 0}
+
+
+def reset_move_stats() -> None:
+    MOVE_STATS.update(grid_blocks_max=0, moves=0)
+
+
+def move_grid(n: int) -> int:
+    """Blocks the CUDA kernel launches for ``n`` entries: one program per entry."""
+    return n
+
+
+def _note_launch(n: int) -> None:
+    MOVE_STATS["moves"] += 1
+    MOVE_STATS["grid_blocks_max"] = max(MOVE_STATS["grid_blocks_max"], move_grid(n))
 
 
 @torch.library.custom_op("torchrec_proactive::move_rows_", mutates_args=("dst",))
@@ -39,6 +59,7 @@ def move_rows_(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, sr
                guard: torch.Tensor, bound: int) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]`` where ``guard[i] < bound`` (2-D ``dst``
     and ``src`` of one width; 1-D index tensors of one length, on one device)."""
+    _note_launch(int(guard.shape[0]))
     _reference(dst, dst_index, src, src_index, guard, bound)
 
 
@@ -51,6 +72,7 @@ def _reference(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, sr
 @move_rows_.register_fake
 def _(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor,
       guard: torch.Tensor, bound: int) -> None:
+    _note_launch(int(guard.shape[0]))
     return None
 
 
@@ -106,6 +128,7 @@ def moves_on_device(device: torch.device) -> bool:
 def _(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor,
       guard: torch.Tensor, bound: int) -> None:
     # Triton is imported at the first move, not with the package (CPU users never pay it).
+    _note_launch(int(guard.shape[0]))
     if _triton_kernel() is None:
         _reference(dst, dst_index, src, src_index, guard, bound)
     else:
