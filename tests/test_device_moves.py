@@ -40,24 +40,46 @@ def test_move_rows_moves_only_the_entries_whose_guard_is_below_the_bound():
 
 
 def test_the_triton_kernel_equals_the_reference():
+    """On a capped grid too: with fewer blocks than tiles each block strides over several
+    (the grid-stride loop), and a tile past the end is masked."""
     script = textwrap.dedent("""
         import torch
         from torchrec_proactive.store.row_moves import move_rows_, triton_move_rows
         g = torch.Generator().manual_seed(0)
-        for width, dtype in [(1, torch.float32), (5, torch.float32), (40, torch.float16), (130, torch.float32)]:
+        for width, dtype, n, blocks in [(1, torch.float32, 48, None), (5, torch.float32, 70, 2),
+                                        (40, torch.float16, 48, 1), (300, torch.float32, 33, 3)]:
             src = torch.randn(64, width, generator=g).to(dtype)
-            n = 48
             src_index = torch.randint(0, 80, (n,), generator=g)  # >= 64: padding
             dst_index = torch.randperm(200, generator=g)[:n].to(torch.int32)
             want, got = torch.zeros(200, width, dtype=dtype), torch.zeros(200, width, dtype=dtype)
             move_rows_(want, dst_index, src, src_index, src_index, 64)
-            triton_move_rows(got, dst_index, src, src_index, src_index, 64)
+            grid = triton_move_rows(got, dst_index, src, src_index, src_index, 64, max_blocks=blocks)
+            assert grid == min(-(-n // 16), blocks or 16), (n, blocks, grid)
             assert torch.equal(want, got), width
         print("equal")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("equal"), out.stderr[-2000:]
+
+
+def test_a_moves_grid_is_capped_whatever_its_length():
+    """One block per 16-entry tile, at most an eighth of the SMs (at least 8): a 2M-entry
+    move on an H100 (132 SMs) launches 16 blocks, not a block per entry (FBGEMM caps its
+    prefetch grids alike), leaving the SMs to the compute stream."""
+    from torchrec_proactive.store.row_moves import MOVE_STATS, TILE, max_move_blocks, move_grid, reset_move_stats
+
+    assert max_move_blocks() == 16 and TILE == 16
+    assert [move_grid(n) for n in (1, 16, 17, 256, 2_097_152)] == [1, 1, 2, 16, 16]
+    assert move_grid(2_097_152, max_blocks=8) == 8
+    reset_move_stats()
+    with fake_cuda() as guard:
+        with guard.setup():
+            table = _table("cuda", 3_000_000, rows=4_000_000)
+            table.host_on_device = [torch.empty(t.shape, dtype=t.dtype, device="cuda")
+                                    for t in [table.host_weight, *table.host_state.values()]]
+        table.enqueue_moves(table.plan_ids(torch.empty(2_000_000, dtype=torch.int64, device="cuda")))
+    assert MOVE_STATS["moves"] == 4 and MOVE_STATS["grid_blocks_max"] == 16
 
 
 def _table(device: str, slots: int, rows: int = 1000, dim: int = 8) -> TieredTable:

@@ -15,8 +15,11 @@ One op (``torchrec_proactive::move_rows_``, a ``torch.library`` custom op, so fa
 ``CostCounter`` and ``sync_detector`` see one call):
 
 * on CUDA with Triton (which PyTorch's CUDA builds ship for ``torch.compile``), one Triton
-  kernel of one program per entry; ``src``/``dst`` may be FBGEMM host-mapped UVM tensors
-  (the host tier as the device sees it), so rows cross PCIe once, with no staging;
+  kernel on a capped grid (``move_grid``: a program per 16-entry tile, at most an eighth of
+  the SMs, each striding over the tiles, as FBGEMM caps its prefetch grids), so that the
+  moves, which read host memory over PCIe from the SMs, leave the SMs to the compute
+  stream; ``src``/``dst`` may be FBGEMM host-mapped UVM tensors (the host tier as the
+  device sees it), so rows cross PCIe once, with no staging;
 * elsewhere the reference: ``index_copy_`` of the kept entries (boolean indexing: it reads
   the guard, which is free on the CPU).
 
@@ -31,8 +34,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["move_rows_", "triton_move_rows", "moves_on_device", "device_alias", "move_grid", "MOVE_STATS",
-           "reset_move_stats"]
+__all__ = ["move_rows_", "triton_move_rows", "moves_on_device", "device_alias", "move_grid", "max_move_blocks",
+           "MOVE_STATS", "reset_move_stats"]
 
 
 #: The launch configuration of the moves issued so far (any device: what the CUDA kernel
@@ -44,14 +47,33 @@ def reset_move_stats() -> None:
     MOVE_STATS.update(grid_blocks_max=0, moves=0)
 
 
-def move_grid(n: int) -> int:
-    """Blocks the CUDA kernel launches for ``n`` entries: one program per entry."""
-    return n
+#: Entries one program moves at a time (a tile of rows: their loads are in flight together,
+#: which is what keeps a PCIe read busy from few SMs).
+TILE = 16
+#: Streaming multiprocessors assumed where none can be asked (CPU counts): an H100's.
+_DEFAULT_SMS = 132
 
 
-def _note_launch(n: int) -> None:
+def max_move_blocks(device: Optional[torch.device] = None) -> int:
+    """The cap on a move's grid: an eighth of the GPU's SMs, at least 8 (FBGEMM caps its
+    prefetch grids alike), so that moves leave the SMs to the compute stream's kernels."""
+    sms = _DEFAULT_SMS
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return max(8, sms // 8)
+
+
+def move_grid(n: int, device: Optional[torch.device] = None, max_blocks: Optional[int] = None) -> int:
+    """Blocks the CUDA kernel launches for ``n`` entries: a block (program) per ``TILE``
+    entries, at most ``max_blocks`` (``max_move_blocks``); each block strides over the
+    tiles (a grid-stride loop), so any ``n`` moves in a capped grid."""
+    cap = max_move_blocks(device) if max_blocks is None else max(1, int(max_blocks))
+    return max(1, min(-(-n // TILE), cap))
+
+
+def _note_launch(n: int, device: Optional[torch.device] = None) -> None:
     MOVE_STATS["moves"] += 1
-    MOVE_STATS["grid_blocks_max"] = max(MOVE_STATS["grid_blocks_max"], move_grid(n))
+    MOVE_STATS["grid_blocks_max"] = max(MOVE_STATS["grid_blocks_max"], move_grid(n, device))
 
 
 @torch.library.custom_op("torchrec_proactive::move_rows_", mutates_args=("dst",))
@@ -86,37 +108,46 @@ def _triton_kernel() -> Optional[Any]:
         return None
 
     @triton.jit
-    def _move_rows_kernel(dst, dst_index, src, src_index, guard, bound, width,
-                          dst_stride, src_stride, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        # A padding entry (its host row is a sentinel, >= bound) does nothing: no row of
-        # either side is touched for it.
-        if tl.load(guard + i) < bound:
-            d = tl.load(dst_index + i).to(tl.int64)
-            s = tl.load(src_index + i).to(tl.int64)
+    def _move_rows_kernel(dst, dst_index, src, src_index, guard, bound, n, width,
+                          dst_stride, src_stride, TILE: tl.constexpr, BLOCK: tl.constexpr):
+        # A capped grid (move_grid): program p moves tiles p, p + grid, ... of TILE entries
+        # each. A padding entry (its host row is a sentinel, >= bound) does nothing: no row
+        # of either side is touched for it.
+        grid = tl.num_programs(0)
+        num_tiles = tl.cdiv(n, TILE)
+        for t in range(tl.program_id(0), num_tiles, grid):
+            entries = t * TILE + tl.arange(0, TILE)
+            live = entries < n
+            keep = live & (tl.load(guard + entries, mask=live, other=bound) < bound)
+            d = tl.load(dst_index + entries, mask=keep, other=0).to(tl.int64)
+            s = tl.load(src_index + entries, mask=keep, other=0).to(tl.int64)
             for start in range(0, width, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                mask = cols < width
-                v = tl.load(src + s * src_stride + cols, mask=mask)
-                tl.store(dst + d * dst_stride + cols, v.to(dst.dtype.element_ty), mask=mask)
+                mask = keep[:, None] & (cols < width)[None, :]
+                v = tl.load(src + s[:, None] * src_stride + cols[None, :], mask=mask)
+                tl.store(dst + d[:, None] * dst_stride + cols[None, :], v.to(dst.dtype.element_ty), mask=mask)
 
     return _move_rows_kernel
 
 
 def triton_move_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor,
-                     guard: torch.Tensor, bound: int) -> None:
-    """``move_rows_`` as one Triton kernel (CUDA; on the CPU under ``TRITON_INTERPRET=1``)."""
+                     guard: torch.Tensor, bound: int, max_blocks: Optional[int] = None) -> int:
+    """``move_rows_`` as one Triton kernel (CUDA; on the CPU under ``TRITON_INTERPRET=1``),
+    launched on ``move_grid`` blocks (capped: see ``max_move_blocks``). Returns the grid."""
     kernel = _triton_kernel()
     if kernel is None:
         raise RuntimeError("triton_move_rows needs Triton")
     n = int(guard.shape[0])
     if n == 0:
-        return
+        return 0
     width = int(dst.shape[1])
     if dst.stride(1) != 1 or src.stride(1) != 1:
         raise ValueError("move_rows_: rows must be contiguous")
-    block = min(1024, max(16, 1 << (width - 1).bit_length()))
-    kernel[(n,)](dst, dst_index, src, src_index, guard, bound, width, dst.stride(0), src.stride(0), BLOCK=block)
+    block = min(256, max(16, 1 << (width - 1).bit_length()))
+    grid = move_grid(n, dst.device, max_blocks)
+    kernel[(grid,)](dst, dst_index, src, src_index, guard, bound, n, width, dst.stride(0), src.stride(0),
+                    TILE=TILE, BLOCK=block)
+    return grid
 
 
 def moves_on_device(device: torch.device) -> bool:
@@ -128,7 +159,7 @@ def moves_on_device(device: torch.device) -> bool:
 def _(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor,
       guard: torch.Tensor, bound: int) -> None:
     # Triton is imported at the first move, not with the package (CPU users never pay it).
-    _note_launch(int(guard.shape[0]))
+    _note_launch(int(guard.shape[0]), dst.device)
     if _triton_kernel() is None:
         _reference(dst, dst_index, src, src_index, guard, bound)
     else:
