@@ -10,8 +10,10 @@ E_done and goes on. The training thread never waits for these tickets, whatever 
 flush, drain or synchronous move that reads the host tier next waits for E_done on the
 host (``settle``). Timeline, one ticket::
 
-    1. M  plan(N+k) on C, then issue: records E_ready on C, and on X: wait(E_ready),
-          write-back kernels, fill kernels, sizes -> pinned, record E_done. No host wait.
+    1. M  plan(N+k) on the planner's stream P (after P waited for C; event E_plan on P,
+          store/plan_stream.py), then issue: records E_ready on C, and on X: wait(E_ready),
+          wait(E_plan), write-back kernels, fill kernels, sizes -> pinned, record E_done.
+          No host wait.
     2. M  forward(N+k): C.wait_event(E_done) before the lookup reads the slots.
     3. M  later, at any issue or wait: the sizes' copy has landed (E_done passed) -> the
           statistics and the host's pinned-row bound take them in (``poll_sizes``).
@@ -186,7 +188,7 @@ class CudaStreamTransport(Transport):
     def _enqueue_on_device(self, ticket: Ticket) -> None:
         stream = self.copy_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            stream.wait_event(ticket.ready_event)
+            self._wait_for_plans(stream, ticket)
             for plan in ticket.plans:
                 for t in (plan.writeback_rows, plan.writeback_slots, plan.fill_rows, plan.fill_slots, plan.counts):
                     # Allocated on the owner stream and read here: not reused before X read them.
@@ -209,7 +211,7 @@ class CudaStreamTransport(Transport):
             stream.synchronize()
             self._device_moves_unsynced = False
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            stream.wait_event(ticket.ready_event)
+            self._wait_for_plans(stream, ticket)
             for plan in ticket.plans:
                 if plan.planned_on_device:
                     # The plan's sizes and row lists were computed on the owner stream; this
@@ -225,6 +227,15 @@ class CudaStreamTransport(Transport):
                 # the consumer's event wait, not as a partial move the store could undo.
                 plan.stage = "done"
             ticket.device_event = stream.record_event()
+
+    @staticmethod
+    def _wait_for_plans(stream: Any, ticket: Ticket) -> None:
+        """The copy stream waits for the owner stream's work up to the issue, and for each
+        plan made on the planner's own stream (store/plan_stream.py) - on the GPU."""
+        stream.wait_event(ticket.ready_event)
+        for plan in ticket.plans:
+            if plan.planned_event is not None:
+                stream.wait_event(plan.planned_event)
 
     def begin_wait(self, ticket: Ticket) -> None:
         # The stall starts where the waiting stream asks for the rows, before the host blocks

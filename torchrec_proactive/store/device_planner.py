@@ -64,17 +64,20 @@ Per-table budgets. ``TieredTable``'s ``segment_slots`` (a group's slots partitio
 its tables) are refused here, in one line: the window and ``pinned_bound`` above cover one
 slot range. A group planned on the device shares one cache among its tables.
 
-Bookkeeping is owned by the stream that plans, looks up and updates (the compute stream);
-see ``fetch/cuda.py`` for how bytes move between the host tier and the cache.
+Bookkeeping is owned by the stream that looks up and updates (the compute stream); on a
+GPU the steady-state plans run on the planner's own stream, ordered against it by events
+(``plan_stream.py``), so a plan's sorts overlap the forward and backward queued before it.
+See ``fetch/cuda.py`` for how bytes move between the host tier and the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -85,6 +88,7 @@ from .fixed_shape import SPREAD, SegmentCuts, compact, padded_unique, segment_cu
 from .invariants import map_problems
 from .plan import FetchPlan, PlanTable
 from .plan_graphs import PAD_ID, PlanGraphs, bucket
+from .plan_stream import StreamOps
 
 
 _NEVER = torch.iinfo(torch.int64).max
@@ -179,6 +183,10 @@ class DevicePlanner:
         self.narrow_updates = True
         self.updates_unique = 0  # updates that covered their unique rows (the sizes had landed)
         self.updates_padded = 0  # updates that covered the padded length (they had not)
+        # Plans run on the planner's own stream on a GPU, ordered by events (plan_stream.py).
+        self.streams: Optional[StreamOps] = StreamOps() if dev.type == "cuda" and torch.cuda.is_available() else None
+        self._plan_stream: Any = None
+        self._last_planned: Any = None  # the event after the last plan on that stream
         self._bind_trash()
 
     @property
@@ -211,6 +219,45 @@ class DevicePlanner:
             self._pad_buffers = (self._spread_buffer + self.sentinel, self._spread_buffer + self.trash)
         return (self._spread_buffer.narrow(0, 0, n), self._pad_buffers[0].narrow(0, 0, n),
                 self._pad_buffers[1].narrow(0, 0, n))
+
+    # ------------------------------------------------------------------ the planning stream
+    @contextlib.contextmanager
+    def _plan_stream_scope(self, join: bool) -> Iterator[Any]:
+        """Runs the block on the planning stream (``join``: after everything the owner
+        stream queued so far); yields the owner stream; records ``_last_planned`` after."""
+        ops = self.streams
+        assert ops is not None
+        owner = ops.current(self.device)
+        if self._plan_stream is None:
+            self._plan_stream = ops.new(self.device)
+        if join:
+            ops.wait_stream(self._plan_stream, owner)
+        with ops.use(self._plan_stream):
+            yield owner
+        self._last_planned = ops.record(self._plan_stream)
+
+    @contextlib.contextmanager
+    def on_plan_stream(self, plan: FetchPlan) -> Iterator[Callable[..., None]]:
+        """Runs the block (the batch's lookup recipe, made from the plan's outputs) on the
+        stream that made ``plan``, after it; yields ``hand_over(*tensors)``, which hands the
+        block's outputs to the owner stream. The plan's event then covers the block too.
+        Off the planning stream (CPU, fake tensors, eager plans) it runs in place."""
+        if plan.planned_event is None or self.streams is None:
+            yield lambda *tensors: None
+            return
+        ops = self.streams
+        with self._plan_stream_scope(join=False) as owner:
+            yield lambda *tensors: [ops.hand_over(t, owner) for t in tensors if t is not None]
+        plan.planned_event = self._last_planned
+
+    def after_planning(self, plan: Optional[FetchPlan] = None) -> None:
+        """The current stream waits (on the GPU, not the host) for ``plan`` on the planning
+        stream, or for every plan made there: before it reads or writes what they did."""
+        if self.streams is None or self._last_planned is None:
+            return
+        event = self._last_planned if plan is None else plan.planned_event
+        if event is not None:
+            self.streams.wait_event(self.streams.current(self.device), event)
 
     def check_owner(self, claim: bool = True) -> None:
         """One stream owns the cache and its bookkeeping: the one current at the first plan.
@@ -283,14 +330,24 @@ class DevicePlanner:
         piece = math.isqrt(bucket(num_ids)) if self.plans_grad_cuts else None
         body = functools.partial(self._plan_body, map_rows=map_rows, window=window,
                                  check_ids=check_ids, tracked=tracked, overflow=overflow, piece=piece)
+        planned_event = None
         if overflow or preload is not None:
             # Rare paths (a batch larger than the cache can give it; the first plan after a
-            # reset): planned eagerly, at the batch's own length.
+            # reset): planned eagerly, at the batch's own length, on the owner stream (after
+            # the plans on the planning stream: it changes what they read).
+            self.after_planning()
             staged = [ids.to(torch.int64), *inputs[1:]]
             outs = list(body(*staged))
         else:
             key = (map_rows is not None and mapping.key, window, check_ids)  # type: ignore[union-attr]
-            outs = self.graphs.run(key, body, inputs, bucket(num_ids))
+            if self.streams is not None and self.streams.applies_to(ids):
+                with self._plan_stream_scope(join=True) as owner:
+                    outs = self.graphs.run(key, body, inputs, bucket(num_ids))
+                planned_event = self._last_planned
+                for t in outs:
+                    self.streams.hand_over(t, owner)
+            else:
+                outs = self.graphs.run(key, body, inputs, bucket(num_ids))
         rows, inverse, slots, fill_rows, fill_slots, wb_rows, wb_slots, counts = outs[:8]
         overflow_rows = outs[8] if overflow else None
         grad_cuts = SegmentCuts(*outs[-3:], piece=piece) if piece is not None else None
@@ -302,7 +359,8 @@ class DevicePlanner:
             counts.narrow(0, 1, 1).add_(num_preloaded)  # (counts is this plan's own tensor)
         plan = FetchPlan(self.table, rows, slots, fill_rows, fill_slots, wb_rows, wb_slots,
                          overflow_rows=overflow_rows, counts=counts, inverse=inverse.narrow(0, 0, num_ids),
-                         grad_cuts=grad_cuts, preload=preload is not None, num_preloaded=num_preloaded)
+                         grad_cuts=grad_cuts, preload=preload is not None, num_preloaded=num_preloaded,
+                         planned_event=planned_event)
         self._bounds[id(plan)] = num_ids if tracked else 0
         if overflow:
             plan.resolve_sizes()  # (the one place a plan's sizes are read where the caller waits)
@@ -479,6 +537,7 @@ class DevicePlanner:
         """Undoes the bookkeeping of a plan whose moves did not all happen (see
         ``TieredTable.rollback``); fixed-shape, on the device."""
         self.check_owner(claim=False)
+        self.after_planning()
         sentinel = self.sentinel
         _, pad_rows, pad_slots = self._pads(int(plan.fill_rows.shape[0]))
         filled = plan.fill_rows < sentinel
@@ -504,6 +563,7 @@ class DevicePlanner:
     def unpin(self, plan: FetchPlan) -> None:
         """Unpins the plan's slots (fixed-shape, on the device)."""
         self.check_owner(claim=False)
+        self.after_planning(plan)
         self._bounds.pop(id(plan), None)
         if not self.holds_every_row:
             self.d_pins.index_add_(0, self._cached_slots(plan), self._ones(plan.n), alpha=-1)
@@ -571,6 +631,7 @@ class DevicePlanner:
 
     def _whole_cache_plans(self, chunk: int, fills: bool) -> List[FetchPlan]:
         self.check_owner(claim=False)
+        self.after_planning()
         plans = []
         dev, sentinel, trash = self.device, self.sentinel, self.trash
         for start in range(0, self.num_slots, chunk):
@@ -592,6 +653,7 @@ class DevicePlanner:
     def clear(self) -> None:
         """Drops every cached row (see ``TieredTable.invalidate``)."""
         self.check_owner(claim=False)
+        self.after_planning()
         self.d_row_to_slot.fill_(-1)
         self.d_slot_to_row.fill_(-1)
         self.d_dirty.fill_(False)
@@ -602,25 +664,30 @@ class DevicePlanner:
     # ------------------------------------------------------------------ reading the state
     def has_dirty(self) -> bool:
         """Whether a flush is needed (a host read: for state_dict time, not the step)."""
+        self.after_planning()
         return bool(self.d_dirty.any())
 
     def pinned_slots(self) -> int:
         """Slots pinned now (a host read of the device: for messages on the overflow path,
         which reads the device anyway)."""
+        self.after_planning()
         if self.holds_every_row:
             return 0
         return int((self.d_pins.narrow(0, 0, self.num_slots) > 0).sum())
 
     def pinned_in(self, lo: int, hi: int) -> int:
+        self.after_planning()
         return int((self.d_pins.narrow(0, lo, hi - lo) > 0).sum())
 
     def resident_rows(self) -> torch.Tensor:
+        self.after_planning()
         s2r = self.d_slot_to_row.narrow(0, 0, self.num_slots).cpu()
         return s2r[s2r >= 0]
 
     def resident(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Occupied slots, their rows and their dirty flags, read to the host (a sync: for
         a write by the host tier's owner, not the step)."""
+        self.after_planning()
         s2r = self.d_slot_to_row.narrow(0, 0, self.num_slots).cpu()
         slots = torch.nonzero((s2r >= 0) & (s2r < self.num_rows)).flatten()
         return slots, s2r[slots], self.d_dirty.narrow(0, 0, self.num_slots).cpu()[slots]
@@ -633,6 +700,7 @@ class DevicePlanner:
 
     def check_invariants(self, expect_drained: bool = False) -> List[str]:
         """The breaches found (empty: none). Reads the device (tests and debug checks only)."""
+        self.after_planning()
         s2r = self.d_slot_to_row.cpu()
         r2s = self.d_row_to_slot.cpu().to(torch.int64)
         S, R = self.num_slots, self.num_rows

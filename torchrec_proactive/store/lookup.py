@@ -114,9 +114,13 @@ def plan_device_batch(
     if mode not in ("sum", "mean"):
         raise InvalidInputError(f"table '{table.name}': pooling mode must be 'sum' or 'mean', got {mode!r}")
     plan = table.plan_ids(ids, depth_hint, overflow, mapping=mapping)
-    if offsets.device.type != table.device.type or offsets.dtype != torch.int64:
-        offsets = offsets.to(device=table.device, dtype=torch.int64, non_blocking=True)
-    return TableBatch(plan, plan.inverse, offsets, mode, one_per_bag)  # type: ignore[arg-type]
+    # (on a GPU, on the planner's stream behind the plan: see plan_stream.py)
+    with table.planner.on_plan_stream(plan) as hand_over:  # type: ignore[union-attr]
+        if offsets.device.type != table.device.type or offsets.dtype != torch.int64:
+            offsets = offsets.to(device=table.device, dtype=torch.int64, non_blocking=True)
+        batch = TableBatch(plan, plan.inverse, offsets, mode, one_per_bag)  # type: ignore[arg-type]
+        hand_over(offsets, batch.slot_ids, batch.bag_of_value, batch.lengths)
+    return batch
 
 
 def plan_unique_rows(
