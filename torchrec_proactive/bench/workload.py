@@ -35,6 +35,12 @@ class Workload:
     #: (flatter tables miss more), so table-wise shards differ in rows copied per step
     skew: float = 0.0
     seed: int = 0
+    #: bursts: every ``burst_every``-th batch (0: none) draws ``burst_share`` of each table's
+    #: ids uniformly over its rows (cold rows: a new day's ids, a crawler), the rest as usual;
+    #: the scaling study's held-out runs use it (a burst that outlasts its window stalls the
+    #: steps behind it, which a model of the mean copy does not see)
+    burst_every: int = 0
+    burst_share: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_tables", "rows_per_table", "embedding_dim", "batch_size", "ids_per_feature"):
@@ -42,6 +48,9 @@ class Workload:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.skew < 1.0:
             raise ValueError(f"skew must be in [0, 1), got {self.skew}")
+        if self.burst_every < 0 or not 0.0 <= self.burst_share <= 1.0:
+            raise ValueError(f"burst_every must be >= 0 and burst_share in [0, 1], got {self.burst_every}, "
+                             f"{self.burst_share}")
         if self.embedding_dim % 4:
             raise ValueError(f"embedding_dim must be a multiple of 4 (FBGEMM), got {self.embedding_dim}")
 
@@ -66,10 +75,14 @@ class Workload:
         rng = np.random.default_rng([self.seed, rank])
         out = []
         cards = self.cardinalities()
-        for _ in range(num):
+        for index in range(num):
             n = self.batch_size * self.ids_per_feature
             values = [torch.from_numpy(sample_zipf_ranks(rng, c, a, n).astype(np.int64))
                       for c, a in zip(cards, self.alphas())]
+            if self.burst_every and index % self.burst_every == self.burst_every - 1:
+                cold = int(round(self.burst_share * n))
+                for v, c in zip(values, cards):
+                    v[:cold] = torch.from_numpy(rng.integers(0, c, size=cold))
             lengths = torch.full((len(cards) * self.batch_size,), self.ids_per_feature, dtype=torch.int64)
             kjt = KeyedJaggedTensor.from_lengths_sync(
                 keys=[f"cat_{i}" for i in range(len(cards))], values=torch.cat(values), lengths=lengths
