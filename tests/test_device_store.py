@@ -200,6 +200,38 @@ def test_cuts_planned_at_a_buckets_length_sum_a_batch_as_at_its_own():
     assert torch.allclose(own, expected, atol=1e-5)
 
 
+def test_the_in_flight_bound_is_kept_per_ticket_and_a_plan_dropped_unreleased_keeps_its_share():
+    """Keyed by ``id(plan)``, a plan dropped without its release let the next plan at the same
+    address overwrite its entry: the bound fell short of the pins still held on the device."""
+    import gc
+
+    table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=1000)
+    kept = []
+    for i in range(6):
+        plan = table.plan_ids(torch.arange(50 * i, 50 * i + 40))
+        if i % 2:
+            kept.append(plan)
+        del plan  # (the others are dropped unreleased: their pins stay on the device)
+        gc.collect()
+    assert table.planner.pinned_bound == 6 * 40 == int(table.planner.d_pins.narrow(0, 0, 1000).sum())
+    assert len({p.bound_key for p in kept}) == 3
+
+
+def test_a_miss_that_finds_no_victim_is_counted_and_never_reads_slot_minus_one(monkeypatch):
+    """Were the host's bound ever short (as it was when a dropped plan's entry was
+    overwritten), a miss without a victim kept slot -1: an out-of-bounds read on a GPU.
+    Now it takes a trash slot and is counted (the TorchRec kernel raises for it)."""
+    table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100)
+    first = table.plan_ids(torch.arange(0, 80))  # pins 80 of 100 slots
+    monkeypatch.setattr(type(table.planner), "pinned_bound", property(lambda self: 0))  # (a short bound)
+    second = table.plan_ids(torch.arange(500, 560))  # 60 misses, 20 victims at most
+    slots = second.slots[: 60]
+    assert int(slots.min()) >= 0 and bool((slots < table.planner.cache_rows).all())
+    assert table.planner.unplaced.poll() == 40
+    table.release(first)
+    table.release(second)
+
+
 def test_a_prefetch_that_may_not_fit_waits_and_says_why():
     table = device_table("t", torch.randn(ROWS, DIM), OptimizerConfig(), num_slots=100)
     first = plan_device_batch(table, torch.arange(60), torch.arange(61))

@@ -50,6 +50,7 @@ from ..store import (
     OptimType,
     RowMapping,
     Segment,
+    StoreStateError,
     TableBatch,
     TieredTable,
     load_factor_advice,
@@ -708,6 +709,13 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             raise InvalidInputError(
                 f"tables {self.table_names()}: a non-finite gradient reached {skipped} recent update(s); each "
                 f"was skipped for the whole group, which is unchanged by it"
+            )
+        unplaced = checks.unplaced.poll()  # type: ignore[union-attr]
+        if unplaced:
+            raise StoreStateError(
+                f"tables {self.table_names()}: {unplaced} row(s) of a recent batch found no cache slot although "
+                f"its plan was made as surely fitting (the store's in-flight bound fell short: a bug); they were "
+                f"read from and trained in a scratch slot. Please report it, with the sharder's options"
             )
 
     def _sample_major_order(self, stride: int) -> torch.Tensor:

@@ -37,8 +37,12 @@ on every plan (O(cache): several ms per group per step at 50M slots), where the 
 size is known on the host, follows the ids in flight and never the cache, and still
 guarantees a victim for every miss of a batch that ``surely_fits`` (so no host read decides
 anything). FBGEMM's set-associative cache (32 ways, a row hashed to its set) is also O(ids)
-but can run out of ways in one set while the cache has room, which here would mean an
-overflow (a host read) at any step; the window cannot. The host planner (``SlotRanking``)
+but can run out of ways in one set while the cache has room; it needs no host read for
+that - its forward kernel reads such a miss straight from host memory
+(``kCacheLocationMissing``) and its backward updates it there - but a row then trains in
+host memory or in the cache depending on its set's occupancy. Here a batch that surely fits
+never overflows, and a miss that found no victim (the host's bound short, which it is not
+meant to be) is counted in ``unplaced`` and takes a trash slot, never slot -1. The host planner (``SlotRanking``)
 samples the same way. Which slot a row gets never changes the math, only the hit rate:
 results stay bit-identical across cache sizes (``tests/test_device_store.py``), and the
 costs per step are the same at 1M and 10M slots (``tests/test_device_cost.py``). A plan's
@@ -145,13 +149,22 @@ class DevicePlanner:
         self._hot_rows = table.hot_rows
         self._num_permanent = 0 if self._hot_rows is None else int(self._hot_rows.numel())
         self.preload_pending = True  # (as the host planner's)
-        self._bounds: Dict[int, int] = {}  # id(plan) -> rows the host counts it as pinning
+        # Per plan in flight (keyed by its ticket, ``FetchPlan.bound_key``: a number never
+        # reused, where an ``id`` of a plan dropped unreleased could be): the rows the host
+        # counts it as pinning. A plan dropped unreleased keeps its entry - its pins stay too.
+        self._bounds: Dict[int, int] = {}
+        self._next_key = 0
         self.host_syncs = 0  # overflow plans read their sizes on the host
         # Checks that run on the device count here; the host learns of them without a wait
         # (a step or so late) and reports them: updates skipped for non-finite gradients,
         # and ids outside the row space (planned as the sentinel row, never looked up).
         self.skipped_updates = AsyncCount(dev)
         self.bad_ids = AsyncCount(dev)
+        # Misses that found no victim in a plan without overflow: impossible while the host's
+        # bound holds (``_window``); were it ever short, each is counted here and planned as
+        # a trash pair (never slot -1, an out-of-bounds read on a GPU), and the TorchRec
+        # kernel raises at its next batch.
+        self.unplaced = AsyncCount(dev)
         self.owner_stream: Optional[object] = None  # see check_owner
         self.trash, self.sentinel = S, R
         # Row -> slot has an entry per store row (the largest map): int32 whenever slot ids
@@ -361,7 +374,8 @@ class DevicePlanner:
                          overflow_rows=overflow_rows, counts=counts, inverse=inverse.narrow(0, 0, num_ids),
                          grad_cuts=grad_cuts, preload=preload is not None, num_preloaded=num_preloaded,
                          planned_event=planned_event)
-        self._bounds[id(plan)] = num_ids if tracked else 0
+        plan.bound_key, self._next_key = self._next_key, self._next_key + 1
+        self._bounds[plan.bound_key] = num_ids if tracked else 0
         if overflow:
             plan.resolve_sizes()  # (the one place a plan's sizes are read where the caller waits)
             self.host_syncs += 1
@@ -432,6 +446,10 @@ class DevicePlanner:
             overflow_rows, num_overflow = compact(overflows, sentinel, rows, spare=spare)
             outs.append(overflow_rows)
         else:
+            # No miss lacks a victim here while the host's bound holds; by construction none
+            # keeps slot -1 either way: it is counted and takes its trash pair.
+            self.unplaced.add(overflows.sum())
+            slots = torch.where(overflows, pad_slots, slots)
             num_overflow = torch.zeros((), dtype=torch.int64, device=self.device)
         # Recency (and frequency) of the rows read from the cache: the clock is a device
         # tensor (a Python counter would be a kernel argument, frozen into a graph).
@@ -518,8 +536,8 @@ class DevicePlanner:
 
     def sizes_known(self, plan: FetchPlan) -> None:
         """A plan's sizes reached the host: it pins its unique rows, no longer its id count."""
-        if id(plan) in self._bounds and not plan.released:
-            self._bounds[id(plan)] = plan.sizes[0] if not self.holds_every_row else 0  # type: ignore[index]
+        if plan.bound_key in self._bounds and not plan.released:
+            self._bounds[plan.bound_key] = plan.sizes[0] if not self.holds_every_row else 0  # type: ignore[index]
 
     def replan(self, plan: FetchPlan, row_grads: torch.Tensor) -> Tuple[FetchPlan, torch.Tensor]:
         """The plan's rows (padding included: sentinel rows, zero gradients) planned again with
@@ -564,7 +582,7 @@ class DevicePlanner:
         """Unpins the plan's slots (fixed-shape, on the device)."""
         self.check_owner(claim=False)
         self.after_planning(plan)
-        self._bounds.pop(id(plan), None)
+        self._bounds.pop(plan.bound_key, None)
         if not self.holds_every_row:
             self.d_pins.index_add_(0, self._cached_slots(plan), self._ones(plan.n), alpha=-1)
 

@@ -102,6 +102,8 @@ class FetchPlan:
     #: On a GPU, the event after the plan (and its lookup recipe) on the planner's own
     #: stream: whoever reads its outputs on another stream waits for it (plan_stream.py).
     planned_event: Any = field(default=None, repr=False)
+    #: The planner's number for this plan in flight (the device planner's bound is kept by it).
+    bound_key: Optional[int] = field(default=None, repr=False)
     _device_slots: Optional[torch.Tensor] = field(default=None, repr=False)
     _overflow_weight: Optional[torch.Tensor] = field(default=None, repr=False)
     _sizes_copy: Optional[torch.Tensor] = field(default=None, repr=False)  # pinned, behind the moves
