@@ -415,7 +415,8 @@ def steady_steps(device: torch.device, rows: int, dim: int, slots: int, n: int, 
     planner = table.planner
     out = {"plan_ms": _median(plans.collect()[warm:]), "update_ms": _median(updates.collect()[warm:]),
            "updates_on_unique_rows": planner.updates_unique, "updates_padded": planner.updates_padded,
-           "plan_graph_cache_bytes": planner.graphs.memory_bytes()}
+           "plan_graph_cache_bytes": planner.graphs.memory_bytes(), "plan_graph_evictions": planner.graphs.evictions,
+           "plan_graph_captures": planner.graphs.captures}
     engine.close()
     return out
 
@@ -468,7 +469,9 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
     for n in step_sizes:
         r = steady_steps(device, step_rows, step_dim, min(step_rows, (depth + 2) * n), n, depth, 8, seed=7)
         in_flight[str(n)], update[str(n)] = r["plan_ms"], r["update_ms"]
-        narrowed[str(n)] = {"unique_rows": r["updates_on_unique_rows"], "padded": r["updates_padded"]}
+        narrowed[str(n)] = {"unique_rows": r["updates_on_unique_rows"], "padded": r["updates_padded"],
+                            "plan_graph_captures": r["plan_graph_captures"],
+                            "plan_graph_evictions": r["plan_graph_evictions"]}
         graph_bytes = max(graph_bytes, r["plan_graph_cache_bytes"])
     return {"plan_ms_per_step_by_ids": out, "store_rows": rows, "cache_slots": slots,
             "plan_graph_captures": table.planner.graphs.captures, "plan_graph_replays": table.planner.graphs.replays,

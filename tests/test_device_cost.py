@@ -170,3 +170,56 @@ def test_the_update_at_2m_ids_works_on_its_unique_rows(optimizer):
     # What a GPU does where the sizes have not landed (depth 0): the padded length, the same bits.
     padded = _costs(5_000_000, n=n, steps=3, optimizer=optimizer, dim=dim)["update"]
     assert padded.bytes > 2 * update.bytes and padded.launches <= UPDATE_LAUNCH_BOUND
+
+
+class _FakeGraph:
+    """What a captured graph does, for a CPU: its replay reruns the body on the staged
+    inputs into the memory its capture left its outputs in."""
+
+    def __init__(self, entry, body):
+        self.entry, self.body = entry, body
+
+    def replay(self):
+        outs = self.body(*self.entry.inputs)
+        self.entry.packed.copy_(torch.cat([t.reshape(-1) for t in outs]))
+
+
+def test_the_plan_graph_cache_is_bounded_and_captures_new_keys_at_their_first_plan(monkeypatch):
+    """Entries (a graph and the buffers it reads) are freed least recently run first beyond
+    ``max_entries`` or ``max_bytes``; once a graph exists, a new key's first plan is
+    captured rather than run eagerly (~145 launches); results are those of eager runs."""
+    from torchrec_proactive.store.plan_graphs import PlanGraphs
+
+    captured = []
+
+    def capture(self, entry, body):
+        entry.packed = self._pack(entry, body(*entry.inputs))  # (what capture_end leaves)
+        entry.graph, entry.graph_bytes = _FakeGraph(entry, body), 1000
+        self.captures += 1
+        captured.append(entry.inputs[0].shape[0])
+
+    monkeypatch.setattr(PlanGraphs, "_capture", capture)
+    graphs = PlanGraphs(torch.device("cpu"), capture=True, max_entries=2)
+    body = lambda ids: (ids * 2, ids + 1)  # noqa: E731
+    eager = lambda ids: [ids * 2, ids + 1]  # noqa: E731
+    runs = []
+    for n in (64, 64, 128, 64, 256, 128):
+        ids = torch.arange(n)
+        out = graphs.run("k", body, [ids], n)
+        runs.append(out)
+        assert all(torch.equal(a, b) for a, b in zip(out, eager(ids)))
+    # 64: eager (the warm-up), then captured at its second plan; 128 and 256: captured at
+    # their first; the third key evicts the least recently run (128), which comes back.
+    assert captured == [64, 128, 256, 128] and graphs.replays == 5
+    assert len(graphs) == 2 and graphs.evictions == 2
+    assert graphs.memory_bytes() == sum(e.memory_bytes() for e in graphs._entries.values()) > 2000
+    tight = PlanGraphs(torch.device("cpu"), capture=False, max_entries=16, max_bytes=64 * 8 * 3)
+    for n in (64, 65, 128):
+        tight.run("k", body, [torch.arange(n)], bucket_of(n))
+    assert len(tight) == 1 and tight.evictions == 2
+
+
+def bucket_of(n):
+    from torchrec_proactive.store.plan_graphs import bucket
+
+    return bucket(n)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
@@ -194,30 +195,47 @@ class PlanGraphs:
     them the ids, padded to :func:`bucket` with ``PAD_ID`` (the others are staged as they
     are). ``body`` returns 1-D int64 tensors; ``run`` returns fresh copies of them that
     stay valid while later plans run. Invariant: one entry (staging buffers, trace, graph)
-    per key, never freed while the table lives, so the tensors a graph reads stay alive.
+    per key; an entry is freed whole (its graph with the buffers it reads) when it is the
+    least recently run of more than ``max_entries``, or when they hold more than
+    ``max_bytes`` (a graph at 2M ids holds ~170 MB of device memory: the cache is bounded,
+    ``memory_bytes`` says what it holds, ``evictions`` how often it let one go).
+
+    Capture: the first plan of the first key runs eagerly (a warm-up: lazy initialisations
+    do not belong in a graph) and its second is captured; once one graph has been
+    captured, the first plan of every new key is captured at once (no eager run of ~145
+    launches).
     """
 
-    def __init__(self, device: torch.device, capture: Optional[bool] = None) -> None:
+    def __init__(self, device: torch.device, capture: Optional[bool] = None, max_entries: int = 16,
+                 max_bytes: int = 1 << 30) -> None:
         self.device = torch.device(device)
         real_cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.capture = real_cuda if capture is None else capture
-        self._entries: Dict[Hashable, _Entry] = {}
+        self.max_entries = max(1, int(max_entries))
+        self.max_bytes = int(max_bytes)
+        self._entries: "OrderedDict[Hashable, _Entry]" = OrderedDict()
         self._pool: Any = None
         self._stream: Any = None
         self.captures = 0  # graphs captured (each cost one stream sync, once)
         self.replays = 0
+        self.evictions = 0  # entries freed to keep the cache within max_entries
 
     def run(self, key: Hashable, body: Body, inputs: Sequence[torch.Tensor], length: int) -> List[torch.Tensor]:
-        entry = self._entries.get((key, length, tuple(t.shape[0] for t in inputs[1:])))
+        full_key = (key, length, tuple(t.shape[0] for t in inputs[1:]))
+        entry = self._entries.get(full_key)
         if entry is None:
             entry = _Entry([torch.empty(length, dtype=torch.int64, device=self.device)]
                            + [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in inputs[1:]], [])
-            self._entries[(key, length, tuple(t.shape[0] for t in inputs[1:]))] = entry
+            self._entries[full_key] = entry
+        else:
+            self._entries.move_to_end(full_key)
+        self._bound()
         self._stage(entry, inputs)
         entry.runs += 1
         # (fake tensors - a counting run on a GPU machine - hold no memory a graph could
         # replay: they run eagerly, under the check, so their kernels are seen and counted)
-        if self.capture and entry.runs >= 2 and not _is_fake(inputs[0]):
+        warm = entry.runs >= 2 or self.captures > 0
+        if self.capture and warm and not _is_fake(inputs[0]):
             if entry.graph is None:
                 self._capture(entry, body)
             entry.graph.replay()
@@ -233,6 +251,14 @@ class PlanGraphs:
             else:
                 _compare(key, entry.trace, check.trace)
         return list(packed.clone().split(entry.sizes))  # (views of one copy)
+
+    def _bound(self) -> None:
+        """Frees the least recently run entries (graph and buffers together) while there are
+        more than ``max_entries`` or they hold more than ``max_bytes``; never the one in use."""
+        while len(self._entries) > 1 and (len(self._entries) > self.max_entries
+                                          or self.memory_bytes() > self.max_bytes):
+            self._entries.popitem(last=False)
+            self.evictions += 1
 
     def _stage(self, entry: _Entry, inputs: Sequence[torch.Tensor]) -> None:
         ids, staged = inputs[0], entry.inputs[0]
