@@ -78,3 +78,38 @@ def test_a_table_on_disk_is_refused_where_it_does_not_run_yet(tmp_path):
     with pytest.raises(InvalidInputError, match="table 't': a table on disk is planned on the host for a CPU device"):
         TieredTable("t", torch.empty(10, 4, device="meta"), OptimizerConfig(), num_slots=5, planner="device",
                     disk=object())  # type: ignore[arg-type]
+
+
+def test_a_device_cache_of_the_whole_table_over_a_smaller_host_cache(tmp_path):
+    """A device cache as large as the table is filled with every row at the first batch (the
+    preload): on disk those rows come through the host cache a chunk at a time, so a host
+    cache far smaller than the table serves it - bit-identical to the table in DRAM (found
+    by a user trial: the preload pinned every row in the host cache at once)."""
+    torch.manual_seed(0)
+    init = torch.randn(ROWS, DIM)
+    config = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05)
+    want = _rows_of(_train(TieredTable("t", init.clone(), config, num_slots=ROWS), depth=1))
+    record = 4 * DIM + 8
+    table = TieredTable.on_disk("t", ROWS, DIM, config, num_slots=ROWS, directory=tmp_path,
+                                host_cache_bytes=2000 * record, initial_weight=init)
+    try:
+        got = _rows_of(_train(table, depth=1))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    finally:
+        table.close()
+
+
+def test_a_group_of_many_long_table_names_gets_a_short_file_name(tmp_path):
+    """A TorchRec group's store is named after all its tables ('a+b+...'); its file is named
+    after the first, so twenty long names do not exceed a file name's 255 bytes."""
+    from torchrec_proactive.integration.embedding_kernel import _build_store
+
+    name = "+".join(f"user_history_embedding_table_{i:02d}" for i in range(20))
+    config = OptimizerConfig(OptimType.EXACT_SGD, learning_rate=0.05)
+    store = _build_store(disk_directory=tmp_path, host_cache_bytes=1 << 16, name=name,
+                         host_weight=torch.empty(100, 4, device="meta"), optimizer=config, num_slots=10)
+    try:
+        assert [p.name for p in tmp_path.iterdir()] == ["user_history_embedding_table_00-and-19-more.rows"]
+        assert store.name == name  # messages still name every table
+    finally:
+        store.close()

@@ -7,6 +7,7 @@ import torch
 from torchrec_proactive.fetch import FetchEngine
 from torchrec_proactive.fetch.lookahead import run_lookahead
 from torchrec_proactive.store import OptimizerConfig, OptimType, StoreStateError, TieredTable, pooled_lookup
+from torchrec_proactive.store.lookup import plan_table_batch
 
 ROWS, DIM = 300, 4
 OPT = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1)
@@ -70,6 +71,21 @@ def test_a_write_refused_while_a_cached_row_is_dirty(tmp_path):
     engine, anchor = FetchEngine(), torch.empty(0, requires_grad=True)
     batch = (torch.tensor([1]), torch.tensor([0, 1]), None, torch.ones(1, DIM))
     run_lookahead(table, engine, [batch], 0, lambda i, tb, b: pooled_lookup(tb, anchor).backward(b[3]))
-    with pytest.raises(StoreStateError, match="flush first"):
+    with pytest.raises(StoreStateError, match="flush it first"):
         table.write_host_rows(0, [torch.zeros(2, DIM), None])
     assert table.has_dirty()
+
+
+def test_a_write_with_a_batch_in_flight_reaches_its_lookup(tmp_path):
+    """On disk, a row written while a batch holding it is planned and fetched (the pipeline
+    between two steps) is what that batch's lookup reads, as with a resident table."""
+    table = _table(tmp_path, "disk")
+    engine, anchor = FetchEngine(), torch.empty(0, requires_grad=True)
+    ids = torch.tensor([7, 8, 9])
+    tb = plan_table_batch(table, ids, torch.arange(4))
+    engine.run([tb.plan])  # fetched: rows 7-9 pinned in the cache, the batch not looked up yet
+    assert table.in_flight == 1
+    table.write_host_rows(8, [torch.full((1, DIM), 5.0), None])
+    got = pooled_lookup(tb, anchor)
+    assert torch.equal(got[1], torch.full((DIM,), 5.0))
+    table.close()

@@ -72,3 +72,9 @@ def test_a_host_cache_too_small_for_the_depths_names_tier_host_cache_mb(tmp_path
     (line,) = [ln for ln in run.err.splitlines() if "error" in ln.lower() and "tier.host_cache_mb" in ln]
     assert "tier.host_cache_mb=0.0005 is too small" in line and "raise tier.host_cache_mb" in line, line
     assert "Traceback" not in run.err, run
+
+
+def test_tier_disk_depth_needs_tier_ssd(tmp_path: Path) -> None:
+    run = cli("train", "--nproc", "1", "experiment=ci_tiny", "tier.disk_depth=4",
+              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
+    assert run.rc == 2 and "tier.disk_depth" in run.err and "tier=ssd" in run.err, run

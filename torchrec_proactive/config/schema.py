@@ -421,6 +421,9 @@ class Config:
             _fail("cache.sized_for_depth", self.cache.sized_for_depth,
                   f"must be >= the run's prefetch depth {self.prefetch.capacity_depth} (the caches must hold depth + 1 "
                   f"batches; leave it unset to size them for the run's own depth)")
+        if self.tier.disk_depth is not None and self.tier.kind != "ssd":
+            _fail("tier.disk_depth", self.tier.disk_depth, f"applies to tables on disk: needs tier=ssd, got tier.kind="
+                  f"{self.tier.kind!r}")
         if self.tier.disk_depth is not None and self.tier.disk_depth < self.prefetch.capacity_depth:
             _fail("tier.disk_depth", self.tier.disk_depth,
                   f"must be >= the prefetch depth {self.prefetch.capacity_depth} (the disk hop runs at least as far "

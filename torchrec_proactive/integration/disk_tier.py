@@ -74,10 +74,11 @@ def resolve_directory(directory: str, local_rank: int) -> Path:
     return Path(directory.replace("@local_rank", str(local_rank)))
 
 
-def group_host_cache_bytes(specs: Mapping[str, DiskTierSpec], group_bytes: int) -> int:
+def group_host_cache_bytes(specs: Mapping[str, DiskTierSpec]) -> int:
     """A group's host cache: the sum of its tables' ``host_cache_bytes`` when every table
-    gives one; else the plan's ``l2_cache_size`` (GB per group, as TorchRec reads it); else
-    ``DEFAULT_HOST_CACHE_BYTES``; never more than the group's own bytes."""
+    gives one; else the plan's ``l2_cache_size`` (GB per group, as TorchRec reads it; 0 or
+    unset: the default); else ``DEFAULT_HOST_CACHE_BYTES``. The store holds at most the
+    group's rows whatever is given."""
     values = list(specs.values())
     if values and all(s.host_cache_bytes is not None for s in values):
         want = sum(int(s.host_cache_bytes or 0) for s in values)
@@ -85,7 +86,7 @@ def group_host_cache_bytes(specs: Mapping[str, DiskTierSpec], group_bytes: int) 
         want = int(max(s.l2_cache_gb or 0 for s in values) * (1 << 30))
     else:
         want = DEFAULT_HOST_CACHE_BYTES
-    return max(1, min(want, group_bytes))
+    return max(1, want)
 
 
 class ScratchDirectory:

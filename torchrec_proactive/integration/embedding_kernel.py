@@ -336,9 +336,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         ``reset_parameters`` initialises them, in chunks, with each table's ``init_fn``."""
         tables = config.embedding_tables
         specs = {t.name: options.disk[t.name] for t in tables}
-        dim = _group_dim(config)
-        row_bytes = dim * 4 * (1 + _state_width(user_fused_params, dim))
-        host_cache = group_host_cache_bytes(specs, int(sum(t.local_rows for t in tables) * row_bytes))
+        host_cache = group_host_cache_bytes(specs)
         parent = resolve_directory(next(iter(specs.values())).directory, local_rank)
         scratch = ScratchDirectory(parent, "+".join(dict.fromkeys(t.name for t in tables)), rank)
         try:
@@ -540,8 +538,12 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     def before_host_access(self) -> None:
         """A live view (``host_views.py``) is about to read or write the host tier: the cache
-        is written back first, so the view sees the table as training left it."""
+        is written back first, so the view sees the table as training left it. On disk the
+        fetch engine is drained too: a view's write goes straight to the host tier, and no
+        queued move may come after it (with batches in flight too)."""
         self.flush()
+        if self._disk_place is not None:
+            self._engine.drain()
 
     def after_host_write(self) -> None:
         """A live view wrote the host tier: the next lookup (or flush) has the cache take the
@@ -932,9 +934,15 @@ def _build_store(disk_directory: Optional[Path] = None, host_cache_bytes: int = 
     if disk_directory is None:
         return TieredTable(**kwargs)
     host_weight = kwargs.pop("host_weight")
-    return TieredTable.on_disk(kwargs.pop("name"), int(host_weight.shape[0]), int(host_weight.shape[1]),
+    name = kwargs.pop("name")
+    # A group's name joins its tables' names: its file is named after the first (a file name
+    # has at most 255 bytes; the group's own directory keeps files apart).
+    tables = name.split("+")
+    more = f"-and-{len(tables) - 1}-more" if len(tables) > 1 else ""
+    return TieredTable.on_disk(name, int(host_weight.shape[0]), int(host_weight.shape[1]),
                                kwargs.pop("optimizer"), kwargs.pop("num_slots"), directory=disk_directory,
-                               host_cache_bytes=host_cache_bytes, dtype=host_weight.dtype, **kwargs)
+                               host_cache_bytes=host_cache_bytes, dtype=host_weight.dtype,
+                               file_name=f"{tables[0][:200]}{more}.rows", **kwargs)
 
 
 def _close_disk(store: TieredTable, scratch: ScratchDirectory) -> None:
@@ -951,8 +959,3 @@ def _group_dim(config: GroupedEmbeddingConfig) -> int:
             f"tables {config.table_names()}: one proactive group needs one embedding dim, got {sorted(dims)}")
     return dims.pop()
 
-
-def _state_width(fused_params: Mapping[str, Any], dim: int) -> float:
-    """Optimizer state per row, in units of the row's weights (for sizing only)."""
-    shapes = OptimizerConfig.from_fused_params(fused_params).state_shapes(dim)
-    return sum(float(np.prod(shape)) if len(shape) else 1.0 for shape in shapes.values()) / dim

@@ -157,9 +157,10 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             disk = sorted((options.disk if options else {}) or {})
             on_disk = (f"; on disk ({KEY_VALUE}: a file under {options.disk[disk[0]].directory} behind a DRAM host "
                        f"cache): {', '.join(disk)}" if disk and options else "")
+            planned = f"{_CACHED} or {KEY_VALUE}" if disk else _CACHED
             _LOG.warning("torchrec-proactive: %d of %d table(s) are proactive (planned %s: a host tier, and a device "
                          "cache its rows are fetched into ahead of their lookup); cache rows / table rows: %s%s%s",
-                         proactive, len(params), _CACHED, shown, on_disk,
+                         proactive, len(params), planned, shown, on_disk,
                          f"; the other {rest} stay stock TorchRec" if rest else "")
             return proactive
         if params:

@@ -308,9 +308,10 @@ class TieredTable:
     @classmethod
     def on_disk(cls, name: str, num_rows: int, dim: int, optimizer: OptimizerConfig, num_slots: int,
                 directory: str | Path, host_cache_bytes: int, initial_weight: Optional[torch.Tensor] = None,
-                dtype: torch.dtype = torch.float32, io_threads: int = 64, **kwargs: Any) -> "TieredTable":
-        """A table whose rows live in a file under ``directory`` (``<name>.rows``, removed
-        at :meth:`close`), served through a host cache of ``host_cache_bytes`` and a device
+                dtype: torch.dtype = torch.float32, io_threads: int = 64, file_name: Optional[str] = None,
+                **kwargs: Any) -> "TieredTable":
+        """A table whose rows live in a file under ``directory`` (``file_name``, default
+        ``<name>.rows``; removed at :meth:`close`), served through a host cache of ``host_cache_bytes`` and a device
         cache of ``num_slots`` rows. ``initial_weight`` (``[num_rows, dim]``, streamed in;
         default zeros) and zero optimizer state are written to the file first.
         ``io_threads``: disk requests in flight at most (this machine's disk reaches its
@@ -320,7 +321,8 @@ class TieredTable:
             Component(key, torch.float32, int(np.prod(shape)) if len(shape) else 1)
             for key, shape in optimizer.state_shapes(dim).items()]
         _, record = record_layout(components)
-        file = RowFile(Path(directory) / f"{name}.rows", num_rows, record, table=name, io_threads=io_threads)
+        file = RowFile(Path(directory) / (file_name or f"{name}.rows"), num_rows, record, table=name,
+                       io_threads=io_threads)
         try:
             disk = DiskHostTier(file, components, max(1, int(host_cache_bytes) // record))
             if initial_weight is not None:
@@ -513,7 +515,10 @@ class TieredTable:
         """The rows the plan reads in the host tier (its fills, its overflow rows) and those
         it only writes whole (its write-backs: no read from the file)."""
         _, nf, nwb, no = plan.resolve_sizes()
-        parts = [plan.fill_rows.narrow(0, 0, nf)]
+        # (A preload - every row of a device cache as large as the table, or its hot rows -
+        # is read through the host cache in chunks at transfer, not pinned there at once.)
+        pre = plan.num_preloaded
+        parts = [plan.fill_rows.narrow(0, pre, nf - pre)]
         if plan.overflow_rows is not None:
             parts.append(plan.overflow_rows.narrow(0, 0, no))
         reads = torch.cat([p.to("cpu", torch.int64) for p in parts]).numpy()
@@ -611,11 +616,25 @@ class TieredTable:
         if num_wb:
             self.write_back(plan.writeback_slots.narrow(0, 0, num_wb), plan.writeback_rows.narrow(0, 0, num_wb))
         plan.stage = "written_back"
-        if num_fills:
-            self.fill(plan.fill_slots.narrow(0, 0, num_fills),
-                      self.gather_host(plan.fill_rows.narrow(0, 0, num_fills).to("cpu")))
+        first = 0
+        if self.disk is not None and plan.num_preloaded:
+            first = plan.num_preloaded
+            self._fill_from_disk(plan.fill_slots.narrow(0, 0, first), plan.fill_rows.narrow(0, 0, first).to("cpu"))
+        if num_fills > first:
+            self.fill(plan.fill_slots.narrow(0, first, num_fills - first),
+                      self.gather_host(plan.fill_rows.narrow(0, first, num_fills - first).to("cpu")))
         plan.stage = "done"
         self._disk_release(plan, keep_overflow=True)
+
+    def _fill_from_disk(self, slots: torch.Tensor, rows: torch.Tensor, chunk: int = 65536) -> None:
+        """Fills ``slots`` with ``rows`` read through the host cache a chunk at a time (a
+        preload may be the whole table: more rows than the host cache holds)."""
+        step = self._host_chunk(chunk)
+        for at in range(0, rows.shape[0], step):
+            part = rows[at: at + step]
+            weight, *state = self.disk.read_rows(part)
+            self.fill(slots[at: at + step],
+                      [weight] + [p.reshape(p.shape[0], *v.shape[1:]) for p, v in zip(state, self.host_state.values())])
 
     @torch.no_grad()
     def enqueue_moves(self, plan: FetchPlan) -> None:
@@ -884,13 +903,15 @@ class TieredTable:
     def write_host_rows(self, start: int, parts: Sequence[Optional[torch.Tensor]]) -> None:
         """Writes rows ``[start, start + n)`` of the host tier: per tensor (weight, then each
         optimizer state), its new rows, or None to keep that tensor's rows. Cached copies of
-        those rows take the new values too, so the next lookup sees them. Needs a clean cache
-        (flush first) and no plan in flight."""
+        those rows take the new values too, so the next lookup sees them - pinned rows of
+        batches in flight included, as a resident table's would. Needs a clean cache and no
+        move queued (flush and drain the fetch engine first: a queued write-back would
+        overwrite the write)."""
         count = next(int(p.shape[0]) for p in parts if p is not None)
         self._check_range(start, count)
-        if self.in_flight or self.has_dirty():
-            raise StoreStateError(f"table '{self.name}': rows are written to the host tier only with no batch in "
-                                  f"flight and a clean cache; drain the pipeline and flush first")
+        if self.has_dirty():
+            raise StoreStateError(f"table '{self.name}': rows are written to the host tier only with a clean cache; "
+                                  f"flush it first (the TorchRec kernel's views do)")
         rows = torch.arange(start, start + count, dtype=torch.int64)
         hosts = [self.host_weight, *self.host_state.values()]
         if self.disk is not None:
