@@ -169,7 +169,7 @@ def train(device: torch.device, init: torch.Tensor, slots: int, depth: int, batc
     stall = getattr(engine.transport, "gpu_stall_s", engine.stats.stall_s)
     result = {"weight": table.host_weight.clone(), "state": table.host_state["momentum1"].clone(),
               "stall_ms_per_step": 1e3 * stall / len(batches), "overflow_rows": table.stats.overflow_rows,
-              "host_syncs_of_overflow": table.planner.host_syncs}
+              "host_syncs_of_overflow": table.planner.host_syncs, "deferrals": table.planner.deferrals}
     engine.close()
     return result
 
@@ -188,6 +188,9 @@ def exactness(device: torch.device, quick: bool) -> Dict[str, Any]:
             "bit_identical": all(torch.equal(r["weight"], first["weight"]) and torch.equal(r["state"], first["state"])
                                  for r in runs.values()),
             "overflow_rows": {k: r["overflow_rows"] for k, r in runs.items()},
+            # (an overflow plan reads its sizes: one host read, at a batch's own lookup only)
+            "overflow_plans": {k: r["host_syncs_of_overflow"] for k, r in runs.items()},
+            "prefetch_deferrals": {k: r["deferrals"] for k, r in runs.items()},
             "gpu_stall_ms_per_step": {k: r["stall_ms_per_step"] for k, r in runs.items()},
         }
     report["bit_identical_across_depths"] = all(v["bit_identical"] for v in report.values() if isinstance(v, dict))
@@ -416,7 +419,8 @@ def steady_steps(device: torch.device, rows: int, dim: int, slots: int, n: int, 
     out = {"plan_ms": _median(plans.collect()[warm:]), "update_ms": _median(updates.collect()[warm:]),
            "updates_on_unique_rows": planner.updates_unique, "updates_padded": planner.updates_padded,
            "plan_graph_cache_bytes": planner.graphs.memory_bytes(), "plan_graph_evictions": planner.graphs.evictions,
-           "plan_graph_captures": planner.graphs.captures}
+           "plan_graph_captures": planner.graphs.captures, "prefetch_deferrals": planner.deferrals,
+           "unsized_in_flight_max": planner.unsized_in_flight_max, "overflow_plans": planner.overflow_plans}
     engine.close()
     return out
 
@@ -471,7 +475,9 @@ def planning(device: torch.device, quick: bool) -> Dict[str, Any]:
         in_flight[str(n)], update[str(n)] = r["plan_ms"], r["update_ms"]
         narrowed[str(n)] = {"unique_rows": r["updates_on_unique_rows"], "padded": r["updates_padded"],
                             "plan_graph_captures": r["plan_graph_captures"],
-                            "plan_graph_evictions": r["plan_graph_evictions"]}
+                            "plan_graph_evictions": r["plan_graph_evictions"],
+                            "prefetch_deferrals": r["prefetch_deferrals"],
+                            "unsized_in_flight_max": r["unsized_in_flight_max"], "overflow_plans": r["overflow_plans"]}
         graph_bytes = max(graph_bytes, r["plan_graph_cache_bytes"])
     return {"plan_ms_per_step_by_ids": out, "store_rows": rows, "cache_slots": slots,
             "plan_graph_captures": table.planner.graphs.captures, "plan_graph_replays": table.planner.graphs.replays,

@@ -22,6 +22,7 @@ from torchrec_proactive.store import (
     pooled_lookup_group,
 )
 from torchrec_proactive.store import lookup as lookup_module
+from torchrec_proactive.store.plan import FetchPlan
 from torchrec_proactive.store.fixed_shape import compact, padded_unique, segment_cuts, segment_sum, sum_segments
 from torchrec_proactive.store.sync_detector import HostSyncError, fake_cuda
 
@@ -115,6 +116,8 @@ def test_device_planner_is_bit_identical_to_the_host_planner_for_any_cache_and_d
                 assert torch.equal(table.host_state[k], v), (slots, depth, k)
             if slots == 30:
                 assert table.stats.overflow_rows > 0 and table.planner.host_syncs > 0
+                # (bounded: only a batch's own plan at its lookup overflows, one host read each)
+                assert table.planner.overflow_plans == table.planner.host_syncs <= len(batches)
             else:
                 assert table.stats.overflow_rows == 0 and table.planner.host_syncs == 0
             if slots < ROWS:
@@ -230,6 +233,24 @@ def test_a_miss_that_finds_no_victim_is_counted_and_never_reads_slot_minus_one(m
     assert table.planner.unplaced.poll() == 40
     table.release(first)
     table.release(second)
+
+
+def test_the_bound_counts_a_plan_at_its_unique_rows_once_its_sizes_land(monkeypatch):
+    """A plan is counted at its id count until its sizes reach the host, then at its unique
+    rows. With room for the new batch's ids plus two batches' unique rows but not their ids,
+    depth 2 defers only while sizes have not landed - the counters say which it was."""
+    batches = _batches(steps=10, bags=64, per_bag=3)  # 192 ids, ~120 unique rows a batch
+    n = 192
+    runs = {}
+    for landed in (True, False):
+        if not landed:
+            monkeypatch.setattr(FetchPlan, "poll_sizes", lambda self: self.sizes is not None)
+        _, table = _train(device_table, n + 2 * 130 + 40, 2, OptimType.EXACT_ROWWISE_ADAGRAD, batches)
+        p = table.planner
+        runs[landed] = (p.deferrals, p.unsized_in_flight_max, p.overflow_plans, p.preload_plans)
+    assert runs[True][0] == 0 and runs[True][1] <= 1, runs
+    assert runs[False][0] > 0 and runs[False][1] >= 1, runs
+    assert runs[True][2] == runs[False][2] == 0 and runs[True][3] == runs[False][3] == 1, runs
 
 
 def test_a_prefetch_that_may_not_fit_waits_and_says_why():

@@ -153,8 +153,14 @@ class DevicePlanner:
         # reused, where an ``id`` of a plan dropped unreleased could be): the rows the host
         # counts it as pinning. A plan dropped unreleased keeps its entry - its pins stay too.
         self._bounds: Dict[int, int] = {}
+        self._unsized: set = set()  # keys of the plans in flight still counted at their id count
         self._next_key = 0
         self.host_syncs = 0  # overflow plans read their sizes on the host
+        # How often the rare paths run, and what the host's bound stood on (issue 44, item 4):
+        self.overflow_plans = 0  # plans with overflow (each one host read: ``host_syncs``)
+        self.preload_plans = 0  # plans carrying the preload (eager, after a reset)
+        self.deferrals = 0  # prefetches refused until earlier batches are released
+        self.unsized_in_flight_max = 0  # plans in flight counted at their id count at a plan
         # Checks that run on the device count here; the host learns of them without a wait
         # (a step or so late) and reports them: updates skipped for non-finite gradients,
         # and ids outside the row space (planned as the sentinel row, never looked up).
@@ -327,7 +333,9 @@ class DevicePlanner:
         if self.surely_fits(num_ids):
             overflow = False  # nothing can overflow: plan without reading any size back
         elif not overflow:
+            self.deferrals += 1
             self._raise_wait(num_ids, depth_hint)
+        self.unsized_in_flight_max = max(self.unsized_in_flight_max, len(self._unsized))
         preload = self._plan_preload() if self.preload_pending else None
         tracked = not self.holds_every_row
         inputs = [ids] if mapping is None else [ids, mapping.offsets]
@@ -376,7 +384,16 @@ class DevicePlanner:
                          planned_event=planned_event)
         plan.bound_key, self._next_key = self._next_key, self._next_key + 1
         self._bounds[plan.bound_key] = num_ids if tracked else 0
+        if tracked:
+            self._unsized.add(plan.bound_key)
+        self.preload_plans += preload is not None
+        if planned_event is not None and self.streams is not None:
+            # The sizes' read-back right behind the plan on its stream, not behind its moves:
+            # the host's bound takes the plan's unique rows as soon as the GPU has planned it.
+            with self.streams.use(self._plan_stream):
+                plan.read_sizes_later()
         if overflow:
+            self.overflow_plans += 1
             plan.resolve_sizes()  # (the one place a plan's sizes are read where the caller waits)
             self.host_syncs += 1
         return plan
@@ -536,6 +553,7 @@ class DevicePlanner:
 
     def sizes_known(self, plan: FetchPlan) -> None:
         """A plan's sizes reached the host: it pins its unique rows, no longer its id count."""
+        self._unsized.discard(plan.bound_key)
         if plan.bound_key in self._bounds and not plan.released:
             self._bounds[plan.bound_key] = plan.sizes[0] if not self.holds_every_row else 0  # type: ignore[index]
 
@@ -583,6 +601,7 @@ class DevicePlanner:
         self.check_owner(claim=False)
         self.after_planning(plan)
         self._bounds.pop(plan.bound_key, None)
+        self._unsized.discard(plan.bound_key)
         if not self.holds_every_row:
             self.d_pins.index_add_(0, self._cached_slots(plan), self._ones(plan.n), alpha=-1)
 

@@ -143,10 +143,11 @@ class FetchPlan:
         return self.sizes  # type: ignore[return-value]
 
     def read_sizes_later(self) -> None:
-        """Queues a copy of the sizes into pinned host memory on the current stream (the one
-        that ran the plan's moves) and records when it lands; :meth:`poll_sizes` reads it."""
+        """Queues a copy of the sizes into pinned host memory on the current stream (the
+        planner's, right after the plan; else the one that ran the plan's moves) and records
+        when it lands; :meth:`poll_sizes` reads it. Once per plan."""
         if self.sizes is not None or self.counts is None or self.counts.device.type != "cuda" \
-                or not torch.cuda.is_available():
+                or not torch.cuda.is_available() or self._sizes_event is not None:
             return
         self._sizes_copy = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
         self._sizes_copy.copy_(self.counts, non_blocking=True)
