@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import re
 import subprocess
 import sys
@@ -75,6 +76,9 @@ def _bad_trace(tmp_path, kind):
     (["--scaling-trace", "negative"], "ids must be >= 0, found -7"),
     (["--scaling-trace", "float"], "expected integer ids, got dtype float64"),
     (["--scaling-trace", "flat"], "expected [samples, tables] with at least"),
+    (["--scaling-workloads", "bert"], "--scaling-workloads 'bert': no such workload; expected one of dcnv2_multi_hot"),
+    (["--scaling-held-out", "bursts,lunar"], "--scaling-held-out 'lunar': no such run; expected some of slow_link"),
+    (["--scaling-ssd-json", "no/such/ssd.json"], "--scaling-ssd-json 'no/such/ssd.json': not a readable JSON report"),
 ])
 def test_bad_scaling_inputs_stop_before_anything_runs(tmp_path, args, named):
     out = tmp_path / "sc"
@@ -221,7 +225,7 @@ def test_scaling_summary_says_how_well_the_model_fits_these_runs(tiny_run):
     line = next(line for line in proc.stdout.splitlines() if line.startswith("scaling study:"))
     assert f"within {100 * worst:.1f}%" in line
     # judged against the study's own targets: calibration 10%, held out 15%
-    assert scaling["targets"] == {"calibration": VALIDATION_TOLERANCE, "held_out": 0.15}
+    assert scaling["targets"] == {"calibration": VALIDATION_TOLERANCE, "held_out": 0.15, "discriminating": 6}
     beyond = (scaling["calibration_max_abs_error"] > 0.10) or (scaling["held_out_max_abs_error"] > 0.15)
     assert ("beyond its targets" in line) == beyond and ("rerun without --quick" in line) == beyond
     assert len(scaling["misses"]) >= (1 if beyond else 0)
@@ -241,6 +245,18 @@ def test_projection_json_names_held_out_runs_stragglers_and_banded_projections(t
     assert any(v["held_out"] for v in doc["validation"]) and any(not v["held_out"] for v in doc["validation"])
     assert all(set(v) >= {"ranks", "config", "measured_step_ms", "modelled_step_ms", "held_out"}
                for v in doc["validation"])
+    # the null model beside every entry; the held-out run --quick makes (bursts) is among them
+    assert all("null_model_step_ms" in v for v in doc["validation"])
+    assert any(v["run"] == "held-out: bursts" for v in doc["validation"])
+    assert doc["discriminating"]["needed"] == 6 and doc["validation_verdict"]
+    # the replay of the bench's own batches against its counters (counts, not times): the
+    # prefetch lead and the rows moved a step come out as the bench counted them
+    checks = doc["counter_checks"]
+    assert checks and {c["run"] for c in checks} >= {"bench", "stragglers"}
+    for c in checks:
+        assert c["lead_replayed"] == pytest.approx(c["lead_counted"], abs=0.05), c
+        assert c["rows_moved_replayed"] == pytest.approx(c["rows_moved_counted"], rel=0.15), c
+    assert {e["overhead_ms"] for e in doc["sensitivity"]} >= {0.0, 4.0}
     (row,) = doc["stragglers"]  # (this run asked for 2 ranks only)
     assert row["ranks"] == 2 and row["skew"] > 0
     assert set(row) >= {"ranks", "skew", "reactive_ms", "depth1_ms", "best_depth", "best_depth_ms"}
@@ -253,17 +269,31 @@ def test_projection_json_names_held_out_runs_stragglers_and_banded_projections(t
 
 def test_scaling_inputs_reach_the_study():
     from torchrec_proactive.bench.runner import _study_settings, build_parser
+    from torchrec_proactive.model.step_model import gpu_rates
 
-    args = build_parser().parse_args(["--scaling", "x", "--scaling-profile", "dgx_h100", "--scaling-tables", "8",
+    args = build_parser().parse_args(["--scaling", "x", "--scaling-profile", "dgx_h100,dgx_h100_nvme",
+                                      "--scaling-workloads", "dlrm_one_hot", "--scaling-tables", "8",
                                       "--scaling-rows", "1000000", "--scaling-dim", "64", "--scaling-batch", "1024",
-                                      "--scaling-ids-per-sample", "3", "--scaling-host-link-gbps", "30"])
+                                      "--scaling-ids-per-sample", "3", "--scaling-host-link-gbps", "5",
+                                      "--scaling-link-latency-us", "20", "--scaling-host-dram-gbps", "300",
+                                      "--scaling-step-overhead-ms", "2", "--scaling-nvme-latency-us", "120",
+                                      "--scaling-nvme-reads-in-flight", "256"])
     study = _study_settings(args)
-    (p,) = study.profiles
-    assert p.name.startswith("DGX H100") and p.copy_gbps == 30
-    assert ("host_link_achievable_gbps", 27.0, 33.0) in [(n, round(lo, 6), round(hi, 6)) for n, lo, hi in p.bands]
-    s = study.shape
-    assert (s.num_features, s.embedding_dim, s.batch_per_gpu, s.ids_per_feature) == (8, 64, 1024, 3.0)
-    assert s.ids_per_step == 1024 * 8 * 3 and study.zipf_rows == 1_000_000
+    p, nvme = study.profiles
+    assert p.name.startswith("DGX H100") and p.copy_gbps == 5 and p.host_link_latency_s == pytest.approx(20e-6)
+    bands = {n: (round(lo, 6), round(hi, 6)) for n, lo, hi in p.bands}
+    assert bands["host_link_achievable_gbps"] == (4.5, 5.5) and bands["host_dram_gbps"] == (270.0, 330.0)
+    assert p.step_overhead_s == pytest.approx(2e-3) and bands["step_overhead_s"] == (0.001, 0.004)
+    assert p.host_dram_gbps == 300 and p.host_link_capacity_gbps == 52  # the NIC's share comes off 52, not 5
+    assert nvme.nvme_latency_s == pytest.approx(120e-6) and nvme.nvme_reads_in_flight == 256
+    assert [w.name for w in study.workloads] == ["dlrm_one_hot", "custom"]
+    custom = study.workloads[1].shape
+    assert (custom.num_features, custom.embedding_dim, custom.batch_per_gpu, custom.ids_per_feature) == (8, 64, 1024, 3)
+    assert study.workloads[1].tables[0].rows == 1_000_000
+    # a 5 GB/s override is what the copies get across nodes (issue 43: it became 30 ms at 64 GPUs)
+    no_dram = replace(p, host_dram_gbps=0.0)
+    assert gpu_rates(no_dram, custom, 64).link_gbps == pytest.approx(5.0)
+    assert study.headline[1] == "dlrm_one_hot"  # the default headline's workload was not asked for
 
 
 def test_noise_verdicts_flag_an_upper_bound_violation_and_ties():

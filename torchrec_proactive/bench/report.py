@@ -181,6 +181,11 @@ def format_table(report: Dict[str, Any]) -> str:
                      f"the model's error, so rerun without --quick on an idle machine before reading the projection; "
                      f"projection.json's misses give each entry beyond its target with the reason")
         lines.append(line)
+        if scaling.get("validation_verdict"):
+            disc = scaling.get("discriminating") or {}
+            lines.append(f"scaling validation against a null model (no schedule, no parameters): "
+                         f"{scaling['validation_verdict']} ({disc.get('count', 0)} held-out entries it misses by more "
+                         f"than 15%; {disc.get('needed', 6)} needed)")
         for row in scaling.get("stragglers") or []:
             lines.append(f"stragglers, {row['ranks']} rank(s), skew {row['skew']:g}: reactive {row['reactive_ms']:.1f} ms, "
                          f"depth 1 (TorchRec's prefetch pipeline) {row['depth1_ms']:.1f} ms, best depth "

@@ -39,7 +39,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # (benchmarks/soak.py and gpu_check.py take the argument types from here too)
 from .cli_args import (SHARDINGS, HelpFormatter, checked, comma_list, depth_pairs, float_above,  # noqa: F401
@@ -166,29 +166,53 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--timeline", type=Path, metavar="DIR",
                      help="write timeline.png and timeline.trace.json (Chrome trace) here; default: none")
     out.add_argument("--scaling", type=Path, metavar="DIR",
-                     help="also run 1 rank and the skewed 1/2/4-rank straggler runs, validate the step model on "
-                          "them, project it to GPU systems (H100, H200, GH200) and write projection.png/json here "
-                          "(and the generated Criteo-format ids it replays, DIR/criteo_data); about 16 min on 2 "
-                          "cores; default: none")
+                     help="also run 1 rank, the skewed 1/2/4-rank straggler runs and the held-out runs built to tell "
+                          "the step model from a null model (--scaling-held-out), validate the model on them, project "
+                          "it to GPU systems (DGX H100/H200, a GH200 node, DGX H100 with NVMe) for the workloads owners "
+                          "run and write projection.png/json here; under 25 min on 2 cores; default: none")
     sc = p.add_argument_group("scaling study (with --scaling)")
     sc.add_argument("--scaling-profile", type=comma_list(str, "profile names"), default=None, metavar="NAME,...",
-                    help="hardware profiles to project to (dgx_h100, dgx_h200, gh200; a name's start works); "
-                         "default: all three")
-    sc.add_argument("--scaling-tables", type=int_at_least(1), default=26, metavar="N",
-                    help="sparse features of the projected model (one table each)")
-    sc.add_argument("--scaling-rows", type=int_at_least(1), default=40_000_000, metavar="N",
-                    help="rows per table of the projected model (cache sizes are shares of it)")
-    sc.add_argument("--scaling-dim", type=int_at_least(1), default=128, metavar="D", help="embedding dimension")
-    sc.add_argument("--scaling-batch", type=int_at_least(1), default=4096, metavar="B", help="samples per GPU")
-    sc.add_argument("--scaling-ids-per-sample", type=float_above(0.0), default=1.0, metavar="X",
-                    help="ids per sample and table (multi-hot: MLPerf DLRM-dcnv2 averages about 8)")
+                    help="hardware profiles to project to (dgx_h100, dgx_h200, gh200_node, dgx_h100_nvme; a name's "
+                         "start works); default: all four")
+    sc.add_argument("--scaling-workloads", type=comma_list(str, "workload names"), default=None, metavar="NAME,...",
+                    help="workloads to project (dcnv2_multi_hot, dlrm_one_hot, dcnv2_multi_hot_scaled); default: all "
+                         "three, and a custom one when --scaling-tables/rows/dim/batch/ids-per-sample are given")
+    sc.add_argument("--scaling-tables", type=int_at_least(1), default=None, metavar="N",
+                    help="a custom workload: tables (one feature each); default: no custom workload")
+    sc.add_argument("--scaling-rows", type=int_at_least(1), default=None, metavar="N",
+                    help="a custom workload: rows per table (default 40,000,000 when another custom flag is given)")
+    sc.add_argument("--scaling-dim", type=int_at_least(1), default=None, metavar="D",
+                    help="a custom workload: embedding dimension (default 128)")
+    sc.add_argument("--scaling-batch", type=int_at_least(1), default=None, metavar="B",
+                    help="a custom workload: samples per GPU (default 8192)")
+    sc.add_argument("--scaling-ids-per-sample", type=float_above(0.0), default=None, metavar="X",
+                    help="a custom workload: ids per sample and table, multi-hot as MLPerf's generator expands them "
+                         "(default 1)")
     sc.add_argument("--scaling-host-link-gbps", type=float_above(0.0), default=None, metavar="GBPS",
-                    help="achievable host->device copy bandwidth per direction (band +-10%%), for every profile "
-                         "chosen (GH200's C2C link included: pick profiles with --scaling-profile); default: each "
-                         "profile's cited figure")
+                    help="achievable host->device copy bandwidth per direction (band +-10%%) for every profile chosen "
+                         "(GH200's C2C link included: pick profiles with --scaling-profile); the link's capacity shared "
+                         "with the NIC stays the profile's, so the NIC never cuts an override below itself; default: "
+                         "each profile's cited figure")
     sc.add_argument("--scaling-network-gbps", type=float_above(0.0), default=None, metavar="GBPS",
                     help="achievable NIC bandwidth per GPU per direction (band +-10%%), for every profile chosen; "
                          "default: the profile's")
+    sc.add_argument("--scaling-link-latency-us", type=float_at_least(0.0), default=None, metavar="US",
+                    help="latency of one host->device copy (per batch), every profile; default: 10")
+    sc.add_argument("--scaling-host-dram-gbps", type=float_above(0.0), default=None, metavar="GBPS",
+                    help="achievable host DRAM bandwidth of one host memory (a DGX node's sockets, one Grace), shared "
+                         "by its GPUs' copies (band +-10%%); default: the profile's (460 on a DGX, 410 on GH200)")
+    sc.add_argument("--scaling-step-overhead-ms", type=float_at_least(0.0), default=None, metavar="MS",
+                    help="fixed per-step cost beyond the MLPerf-sourced step (TorchRec's eager pipeline), a third in "
+                         "the forward (band x0.5-x2); default: 0 with a band of 0-4 ms")
+    sc.add_argument("--scaling-nvme-latency-us", type=float_above(0.0), default=None, metavar="US",
+                    help="NVMe profiles: one page read's latency (band +-20%%); default: 90")
+    sc.add_argument("--scaling-nvme-reads-in-flight", type=float_above(0.0), default=None, metavar="N",
+                    help="NVMe profiles: reads in flight per GPU (the store's I/O threads); default: 64")
+    sc.add_argument("--scaling-ssd-json", type=comma_list(Path, "paths"), default=None, metavar="PATH,...",
+                    help="bench --tier ssd JSON reports to validate the NVMe model on, held out; default: none")
+    sc.add_argument("--scaling-held-out", type=comma_list(str, "held-out run names"), default=None, metavar="NAME,...",
+                    help=f"held-out runs to measure ({', '.join(HELD_OUT_RUNS)}, or none); default: all of them, "
+                         f"bursts only with --quick")
     sc.add_argument("--scaling-trace", type=Path, default=None, metavar="NPY",
                     help="your ids to replay instead of Zipf: an .npy of shape [samples, tables] (e.g. a "
                          "TorchRec-preprocessed Criteo day_N_sparse.npy); default: Zipf ids")
@@ -306,35 +330,137 @@ def _sweep(args: argparse.Namespace, settings: Any, summary: Any) -> int:
 
 
 def _study_settings(args: argparse.Namespace) -> Any:
-    """The projection's inputs from the command line (model shape, profiles, bandwidths, trace)."""
+    """The projection's inputs from the command line (profiles and their figures, workloads, trace)."""
     from ..model.hardware import PROFILES, profile_named
-    from .scaling_study import StudySettings, check_trace
-    from ..model.step_model import DLRMShape
+    from ..model.workloads import WORKLOADS, custom_workload, workload_named
+    from .scaling_study import StudySettings
 
     profiles = tuple(profile_named(n) for n in args.scaling_profile) if args.scaling_profile else PROFILES
     if args.scaling_trace is not None and not args.scaling_trace.is_file():
         raise ValueError(f"--scaling-trace {str(args.scaling_trace)!r}: no such file (expected an .npy of ids, "
                          f"shape [samples, tables])")
+    unknown = [n for n in (args.scaling_held_out or []) if n not in HELD_OUT_RUNS + ("none",)]
+    if unknown:
+        raise ValueError(f"--scaling-held-out {unknown[0]!r}: no such run; expected some of "
+                         f"{', '.join(HELD_OUT_RUNS)}, or none")
 
-    def with_bw(p: Any) -> Any:
+    for path in args.scaling_ssd_json or []:
+        try:
+            ssd = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--scaling-ssd-json {str(path)!r}: not a readable JSON report ({e})") from None
+        if "disk_probe" not in (ssd.get("ssd") or ssd):
+            raise ValueError(f"--scaling-ssd-json {str(path)!r}: not a bench --tier ssd report (no ssd.disk_probe)")
+
+    def overridden(p: Any) -> Any:
         bands = {name: (lo, hi) for name, lo, hi in p.bands}
         changes: Dict[str, Any] = {}
-        for key, value in (("host_link_achievable_gbps", args.scaling_host_link_gbps),
-                           ("network_achievable_gbps", args.scaling_network_gbps)):
+        for key, value, scale in (("host_link_achievable_gbps", args.scaling_host_link_gbps, 1.0),
+                                  ("network_achievable_gbps", args.scaling_network_gbps, 1.0),
+                                  ("host_dram_gbps", args.scaling_host_dram_gbps, 1.0)):
             if value is not None:
-                changes[key] = value
-                bands[key] = (0.9 * value, 1.1 * value)
+                changes[key] = value * scale
+                bands[key] = (0.9 * value * scale, 1.1 * value * scale)
+        if args.scaling_link_latency_us is not None:
+            changes["host_link_latency_s"] = args.scaling_link_latency_us * 1e-6
+        if args.scaling_step_overhead_ms is not None:
+            v = args.scaling_step_overhead_ms * 1e-3
+            changes["step_overhead_s"] = v
+            bands["step_overhead_s"] = (0.5 * v, 2.0 * v)
+        if p.tier == "nvme":
+            if args.scaling_nvme_latency_us is not None:
+                v = args.scaling_nvme_latency_us * 1e-6
+                changes["nvme_latency_s"] = v
+                bands["nvme_latency_s"] = (0.8 * v, 1.2 * v)
+            if args.scaling_nvme_reads_in_flight is not None:
+                changes["nvme_reads_in_flight"] = args.scaling_nvme_reads_in_flight
         return replace(p, **changes, bands=tuple((k, lo, hi) for k, (lo, hi) in bands.items())) if changes else p
 
-    shape = DLRMShape(batch_per_gpu=args.scaling_batch, num_features=args.scaling_tables,
-                      ids_per_feature=args.scaling_ids_per_sample, embedding_dim=args.scaling_dim,
-                      bottom_mlp=(13, 512, 256, args.scaling_dim))
-    study = StudySettings(shape=shape, zipf_rows=args.scaling_rows, profiles=tuple(with_bw(p) for p in profiles),
+    workloads = tuple(workload_named(n) for n in args.scaling_workloads) if args.scaling_workloads else WORKLOADS
+    custom = (args.scaling_tables, args.scaling_rows, args.scaling_dim, args.scaling_batch, args.scaling_ids_per_sample)
+    if any(v is not None for v in custom):
+        workloads = workloads + (custom_workload(args.scaling_tables or 26, args.scaling_rows or 40_000_000,
+                                                 args.scaling_dim or 128, args.scaling_batch or 8192,
+                                                 args.scaling_ids_per_sample or 1.0),)
+    study = StudySettings(profiles=tuple(overridden(p) for p in profiles), workloads=workloads,
                           trace=args.scaling_trace)
-    if args.quick:  # a smaller replay of the workload figures (a smoke test of the study)
-        study = replace(study, criteo_batch=256, replay_steps=10, replay_warmup=4, fill_ids_per_slot=0.0)
-    check_trace(study)  # a bad trace is refused here, not after minutes of benchmarks
+    if not any(p.key == study.headline[0] for p in study.profiles) or not any(
+            w.name == study.headline[1] for w in study.workloads):
+        study = replace(study, headline=(study.profiles[0].key, study.workloads[0].name, 8))
+    if args.quick:  # fewer scales and a smaller locality check (a smoke test of the study)
+        study = replace(study, world_sizes=(1, 8, 64), check_rows=100_000, check_hotness=(1, 4),
+                        check_fractions=(0.1,), check_steps=16, check_warmup=6, load_steps=16, quick=True)
+    if args.scaling_trace is not None:
+        _check_trace(args.scaling_trace, study)  # a bad trace is refused here, not after minutes of benchmarks
     return study
+
+
+def _check_trace(path: Path, study: Any) -> None:
+    import numpy as np
+
+    try:
+        data = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--scaling-trace {str(path)!r}: not a readable .npy id array ({e})") from None
+    if data.ndim != 2 or data.shape[0] < 2:
+        raise ValueError(f"--scaling-trace {str(path)!r}: expected [samples, tables] with at least 2 samples, got "
+                         f"shape {tuple(data.shape)}")
+    if data.dtype.kind not in "iu":  # (a float id would be truncated into another row, silently)
+        raise ValueError(f"--scaling-trace {str(path)!r}: expected integer ids, got dtype {data.dtype}")
+    low = int(np.asarray(data).min())
+    if low < 0:
+        raise ValueError(f"--scaling-trace {str(path)!r}: ids must be >= 0, found {low}")
+
+
+#: The held-out runs ``--scaling`` measures besides the straggler runs: each built where the
+#: null model (no schedule) and the step model disagree by more than the 15% target.
+HELD_OUT_RUNS = ("slow_link", "bursts", "bursts_2_ranks", "multi_hot")
+
+
+def _small_settings(settings: Any, args: argparse.Namespace, **workload: Any) -> Any:
+    """The straggler runs' small model (4 tables x 20k rows, batch 256, table-wise, a 20% cache
+    that pins k + 1 batches, a 100%-cache run for the store's own overhead) at reactive and
+    depths 1 and 2 (where the null model and the step model part), 5 rounds of 6 + 24 steps
+    (24: whole periods of a burst every 4th batch; the validation takes the median of the
+    rounds' mean steps, it needs no interval)."""
+    w = settings.workload
+    small = replace(w, num_tables=4, rows_per_table=min(w.rows_per_table, 20_000), batch_size=min(w.batch_size, 256),
+                    skew=0.0, **workload)
+    return replace(settings, workload=small, sharding="table_wise", depths=(1, 2), include_auto=False,
+                   cache_load_factor=0.2, include_cache100=True, include_cache1=False, trace=False,
+                   link_bandwidth_gbps=None, warmup_steps=4 if args.quick else 6,
+                   measure_steps=8 if args.quick else 24, rounds=1 if args.quick else 5)
+
+
+def _held_out_runs(settings: Any, args: argparse.Namespace) -> List[Tuple[str, Any, int]]:
+    """(label, settings, ranks) of the held-out runs asked for (:data:`HELD_OUT_RUNS`):
+
+    * ``slow_link``: one batch's copy about a step long (``target_fetch_fraction`` 1.7): depth 1
+      stalls for the rest of the forward and planning, which the null model does not see;
+    * ``bursts``: every 4th batch draws all its ids uniformly (cold), the mean copy a resident
+      step (``target_fetch_fraction`` 1.0): a burst's copy outlasts its window at depths 1 and 2
+      and stalls the steps behind it, while the mean copy fits;
+    * ``bursts_2_ranks``: the same on 2 table-wise ranks;
+    * ``multi_hot``: 8 ids a sample and table (64 samples), the slow link: planning and the
+      hand-off grow with the ids."""
+    names = args.scaling_held_out or (["bursts"] if args.quick else list(HELD_OUT_RUNS))
+    if "none" in names:
+        return []
+    out = []
+    for name in names:
+        if name == "slow_link":
+            out.append(("held-out: slow link", replace(_small_settings(settings, args), target_fetch_fraction=1.7), 1))
+        elif name == "bursts":
+            out.append(("held-out: bursts", replace(_small_settings(settings, args, burst_every=4),
+                                                    target_fetch_fraction=1.0), 1))
+        elif name == "bursts_2_ranks":
+            out.append(("held-out: bursts, 2 ranks", replace(_small_settings(settings, args, burst_every=4),
+                                                             target_fetch_fraction=1.0), 2))
+        elif name == "multi_hot":
+            s = _small_settings(settings, args, ids_per_feature=8)
+            out.append(("held-out: multi-hot", replace(s, workload=replace(s.workload, batch_size=64),
+                                                       target_fetch_fraction=1.7), 1))
+    return out
 
 
 def _straggler_settings(settings: Any, args: argparse.Namespace) -> Any:
@@ -342,7 +468,7 @@ def _straggler_settings(settings: Any, args: argparse.Namespace) -> Any:
     so that a cold fetch costs a whole resident step (the link is the bottleneck, so 4 ranks
     on 2 cores measure the link, not the CPU); reactive, depth 1 (TorchRec's prefetch
     pipeline schedule) and deeper. (Stragglers here come from the skew, which persists from
-    step to step; the projection adds batch-to-batch variance from the replay.)"""
+    step to step; the projection adds batch-to-batch variance.)"""
     w = settings.workload
     small = replace(w, num_tables=4, rows_per_table=min(w.rows_per_table, 20_000), batch_size=min(w.batch_size, 256),
                     skew=args.scaling_straggler_skew)
@@ -360,9 +486,9 @@ def _straggler_settings(settings: Any, args: argparse.Namespace) -> Any:
 
 def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace, study: Any) -> Dict[str, Any]:
     """The scaling study: calibrated and validated on this run, a 1-rank run on the same link
-    regime and the straggler runs, projected to GPU systems; writes projection.{json,png}.
-    ``study``: :func:`_study_settings`, checked by ``main`` before anything ran. Returns its
-    summary for the bench report."""
+    regime, the straggler runs and the held-out runs, projected to GPU systems; writes
+    projection.{json,png}. ``study``: :func:`_study_settings`, checked by ``main`` before
+    anything ran. Returns its summary for the bench report."""
     from .scaling_study import write_study
 
     runs = [report]
@@ -370,8 +496,8 @@ def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace, st
         # Its link calibrated as this run's was (a cold fetch costs the same share of a
         # resident step), unless a bandwidth was given: the same regime, not the same link
         # (the same link would put one rank's copy right at the length of its step, where a
-        # run's jitter, not the model, decides).
-        one = replace(settings, trace=False, include_auto=False)
+        # run's jitter, not the model, decides). Six rounds: the calibration set's run.
+        one = replace(settings, trace=False, include_auto=False, rounds=min(settings.rounds, 6))
         runs.insert(0, run_bench(one, world_size=1, label="scaling: 1-rank run")["report"])
     straggle = _straggler_settings(settings, args)
     stragglers = []
@@ -379,9 +505,14 @@ def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace, st
         rep = run_bench(straggle, world_size=n, label=f"scaling: stragglers, {n} rank(s)")["report"]
         rep["settings"] = {**rep.get("settings", {}), "cache_load_factor": straggle.cache_load_factor}
         stragglers.append(rep)
-    doc = write_study(args.scaling, runs, study, straggler_runs=stragglers)
+    extra = []
+    for label, held, ranks in _held_out_runs(settings, args):
+        extra.append((label, run_bench(held, world_size=ranks, label=f"scaling: {label}")["report"]))
+    ssd_reports = [json.loads(Path(p).read_text()) for p in (args.scaling_ssd_json or [])]
+    doc = write_study(args.scaling, runs, study, straggler_runs=stragglers, extra_runs=extra, ssd_reports=ssd_reports)
     return {k: doc.get(k) for k in ("validation", "validation_max_abs_error", "calibration_max_abs_error",
-                                     "held_out_max_abs_error", "targets", "misses", "stragglers", "verdicts", "files")}
+                                     "held_out_max_abs_error", "targets", "misses", "stragglers", "verdicts", "files",
+                                     "discriminating", "validation_verdict", "sensitivity", "counter_summary")}
 
 
 def _cache_planning(args: argparse.Namespace, summary: Any) -> int:
