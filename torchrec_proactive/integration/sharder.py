@@ -47,7 +47,8 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     TorchRec's planner needs to place them). They get a third tier: the device cache (the
     plan's ``CacheParams(load_factor=...)``) over a DRAM host cache of ``l2_cache_size`` GB
     per group (or ``host_cache_bytes`` per table) over a file of the shard's rows under DIR,
-    removed when the model is closed or collected. On CPU for now (see ``disk_tier.py``).
+    removed when the model is closed or collected. On CPU ranks for now; on a GPU a
+    ``key_value`` table stays stock TorchRec's (FBGEMM's SSD TBE), as with stock's sharder.
 
     Args:
         fused_params: as for ``EmbeddingBagCollectionSharder``.
@@ -103,11 +104,11 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         """Stock's kernels, with ``fused_uvm_caching`` offered exactly for the sharding types
         proactive tables support (so the planner never picks a placement ``shard`` refuses)."""
-        kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type)
-                   if k not in (_CACHED, KEY_VALUE)]
+        kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type) if k != _CACHED]
         if sharding_type in _SUPPORTED_SHARDING:
             kernels.append(_CACHED)
-            if compute_device_type == "cpu":  # (the disk tier is planned on the host: CPU for now)
+            # (the disk tier is planned on the host: CPU for now; elsewhere key_value is stock's)
+            if compute_device_type == "cpu" and KEY_VALUE not in kernels:
                 kernels.append(KEY_VALUE)
         return kernels
 
@@ -119,13 +120,11 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ProactiveShardedEmbeddingBagCollection:
-        disk: Dict[str, DiskTierSpec] = {}
+        # The disk tier serves CPU ranks for now; on a GPU, key_value tables stay stock
+        # TorchRec's (FBGEMM's SSD TBE), as they would with stock's sharder.
+        disk: Optional[Dict[str, DiskTierSpec]] = {} if device is None or torch.device(device).type == "cpu" else None
         marked = self._mark_cached_tables(module, params, disk)
         options = dataclasses.replace(self.options, disk=disk) if disk else self.options
-        if disk and device is not None and torch.device(device).type != "cpu":
-            raise NotImplementedError(
-                f"tables {sorted(disk)}: planned {KEY_VALUE!r} on {torch.device(device).type}; the proactive disk "
-                f"tier serves CPU ranks for now (plan them fused_uvm_caching on a GPU)")
         if not self._announced and getattr(env, "rank", 0) == 0:
             self._announced = True  # once per sharder (a model's), on one rank
             self.announce(marked, options)
@@ -197,15 +196,14 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             )
         out: Dict[str, ParameterSharding] = {}
         for name, ps in params.items():
-            if ps.compute_kernel in (_CACHED, KEY_VALUE) and ps.sharding_type not in _SUPPORTED_SHARDING:
+            if (ps.compute_kernel == _CACHED or (ps.compute_kernel == KEY_VALUE and disk is not None)) \
+                    and ps.sharding_type not in _SUPPORTED_SHARDING:
                 raise ValueError(
                     f"table '{name}': sharding type {ps.sharding_type!r} is not supported for proactive "
                     f"({ps.compute_kernel}) tables; supported: {sorted(_SUPPORTED_SHARDING)}"
                 )
-            if ps.compute_kernel == KEY_VALUE:
-                spec = spec_from_plan(name, ps.key_value_params, self.host_cache_bytes.get(name))
-                if disk is not None:
-                    disk[name] = spec
+            if ps.compute_kernel == KEY_VALUE and disk is not None:
+                disk[name] = spec_from_plan(name, ps.key_value_params, self.host_cache_bytes.get(name))
                 ps = dataclasses.replace(ps, compute_kernel=_CACHED)
             if ps.compute_kernel == _CACHED:
                 cache = ps.cache_params or CacheParams()
