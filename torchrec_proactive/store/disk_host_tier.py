@@ -73,6 +73,10 @@ __all__ = ["Component", "DiskHostTier", "DiskTicket", "HostCacheCapacityError", 
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
+#: How long ``close`` waits for the disk owner to stop before it gives up waiting.
+CLOSE_TIMEOUT_S = 10.0
+
+
 class HostCacheCapacityError(CacheCapacityError):
     """The host cache cannot hold the rows that batches in flight and staged pin together."""
 
@@ -933,5 +937,8 @@ class DiskHostTier:
         in flight)."""
         if self._worker.is_alive():
             self._queue.put(None)
-            self._worker.join()
-        self.file.close(remove=remove)
+            # Bounded: closing while unwinding from Ctrl-C, the interrupt may have left the
+            # owner waiting for something that will not come; the process must still end
+            # (its threads are daemons) and the scratch file still go.
+            self._worker.join(timeout=CLOSE_TIMEOUT_S)
+        self.file.close(remove=remove, wait=not self._worker.is_alive())

@@ -357,12 +357,13 @@ class RowFile:
         (sorted, unique)."""
         return self._submit(self.write_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
 
-    def close(self, remove: bool = True) -> None:
-        """Ends the I/O (waiting for what is in flight) and, by default, removes the file:
-        the tier is scratch, its truth is in checkpoints."""
+    def close(self, remove: bool = True, wait: bool = True) -> None:
+        """Ends the I/O (waiting for what is in flight, unless ``wait`` is False: then what
+        has not started is cancelled) and, by default, removes the file: the tier is
+        scratch, its truth is in checkpoints."""
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=wait, cancel_futures=not wait)
         fd, self._fd = getattr(self, "_fd", -1), -1
         if fd >= 0:
             # Only our own file is removed: one put in its place under the job is not ours.
