@@ -43,3 +43,10 @@ def test_key_value_tables_train_as_stock(tmp_path_factory, sharding, optim):
         assert staged["plan_rows_hit"] > 0, (rank, staged)
         assert plain["staged_batches"] == 0 and plain["stage_rows_read"] == 0, (rank, plain)
         assert res["depths_bit_identical"], rank
+
+
+def test_a_load_with_batches_in_flight_applies_whole(tmp_path):
+    from torchrec_proactive.launch import run_ranks
+
+    assert run_ranks(key_value_worker.check_load_mid_pipeline, world_size=2, timeout_s=300,
+                     directory=str(tmp_path)) == [True, True]
