@@ -85,8 +85,12 @@ def test_ctrl_c_removes_the_tier_files(tmp_path):
     tier = tmp_path / "tier"
     tier.mkdir()
     # Many rounds, so that the run is still going when it is interrupted.
+    # Ctrl-C as from a terminal: SIGINT at its default in the child. (A signal the test
+    # process ignores - some earlier test in the same pytest run may leave SIGINT ignored -
+    # stays ignored across exec, and Python then installs no KeyboardInterrupt handler.)
     proc = subprocess.Popen([*CMD, "--quick", "--rounds", "200", "--tier-dir", str(tier)], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not list(tier.glob("*/*.rows")) and proc.poll() is None and time.monotonic() < deadline:
