@@ -22,6 +22,7 @@ from .. import ProactiveEmbeddingBagCollectionSharder
 from ..cacheplan.planner import WHOLE_ROW_SHARDINGS
 from ..config.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, Config, ModelConfig, OptimizerConfig
 from ..fetch import LinkModel
+from ..integration.disk_tier import resolve_directory
 from ..planning import PROACTIVE_KERNELS, build_plan, combined_optimizer, shard_model
 from .env import RankEnv
 
@@ -166,7 +167,7 @@ def plan(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg:
 
 def tier_parent(directory: str) -> Path:
     """The nearest existing directory at or above ``directory`` (where its disk is)."""
-    path = Path(directory.replace("@local_rank", "0")).absolute()
+    path = resolve_directory(directory, local_rank=0).absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
     return path

@@ -143,7 +143,9 @@ def check_tier_dir(cfg: Config) -> None:
     files in fresh sub-directories of it). ``@local_rank`` is checked for local rank 0."""
     if cfg.tier.kind != "ssd":
         return
-    path = Path(cfg.tier.dir.replace("@local_rank", "0"))
+    from ..integration.disk_tier import resolve_directory
+
+    path = resolve_directory(cfg.tier.dir, local_rank=0)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):

@@ -26,6 +26,8 @@ from typing import Any, Mapping, Optional
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
+from ..store.row_file import DiskTierError
+
 KEY_VALUE = EmbeddingComputeKernel.KEY_VALUE.value
 #: A group's host cache when neither ``l2_cache_size`` nor ``host_cache_bytes`` gives one
 #: (at most the group's own bytes).
@@ -99,8 +101,6 @@ class ScratchDirectory:
             parent.mkdir(parents=True, exist_ok=True)
             self.path = Path(tempfile.mkdtemp(prefix=f"rank{rank}-", dir=parent))
         except OSError as e:
-            from ..store.row_file import DiskTierError
-
             raise DiskTierError(f"table '{tables}': cannot create its rows' directory under {parent}: "
                                 f"{e.strerror or e}") from None
 

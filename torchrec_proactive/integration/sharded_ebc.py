@@ -559,23 +559,23 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 prepared = self._prepare(dist_input)
                 if ctx is not None:
                     ctx.prepared = prepared  # type: ignore[attr-defined]
-            try:
-                for kernel, batch in prepared:
-                    groups.append(kernel.plan_prepared(batch, overflow=overflow))
-            except HostCacheCapacityError:
-                # Stages yield to plans: later batches' staged rows fill the host cache, so
-                # they let go (their rows stay until evicted) and this batch plans again.
-                others = [c for c in self._staged if c is not ctx]
-                if not others:
-                    raise
-                for group in reversed(groups):
-                    group.kernel.unplan(group)
-                groups = []
-                for other in others:
-                    self._unstage(other)
-                self._stats.stages_yielded += len(others)
-                for kernel, batch in prepared:
-                    groups.append(kernel.plan_prepared(batch, overflow=overflow))
+            for attempt in range(2):
+                try:
+                    for kernel, batch in prepared:
+                        groups.append(kernel.plan_prepared(batch, overflow=overflow))
+                    break
+                except HostCacheCapacityError:
+                    # Stages yield to plans: later batches' staged rows fill the host cache,
+                    # so they let go (their rows stay until evicted) and this batch plans again.
+                    others = [c for c in self._staged if c is not ctx]
+                    if attempt or not others:
+                        raise
+                    for group in reversed(groups):
+                        group.kernel.unplan(group)
+                    groups = []
+                    for other in others:
+                        self._unstage(other)
+                    self._stats.stages_yielded += len(others)
         except BaseException:
             # Nothing was issued, so nothing moved: undo the plans made so far exactly.
             for group in reversed(groups):
