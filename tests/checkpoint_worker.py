@@ -13,23 +13,37 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder, ProactiveTrainPipeline
+from torchrec_proactive import (
+    ProactiveEmbeddingBagCollectionSharder,
+    ProactiveEmbeddingCollectionSharder,
+    ProactiveTrainPipeline,
+)
 from torchrec_proactive.app.checkpoint import Checkpointer, restore_param_groups
 from torchrec_proactive.planning import build_plan, combined_optimizer, shard_model
 
+from .sequence_model import SequenceModel, make_pooled_tables, make_sequence_batch, make_sequence_tables
 from .sparse_model import SparseModel, make_batch, make_tables
 
 FUSED = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
          "adam": EmbOptimType.ADAM}
 
 
-def _model(world_size: int, optimizer: str, sharding: str, seed: int):
-    tables = make_tables(4, rows=300, dim=8, shared_feature=True)
-    torch.manual_seed(seed)
-    model = SparseModel(tables)
-    sharder = ProactiveEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": FUSED[optimizer], "learning_rate": 0.05, "eps": 1e-3}, cache_load_factor=0.1)
-    dmp = shard_model(model, sharder, build_plan(model, sharder, sharding), torch.device("cpu"))
+def _model(world_size: int, optimizer: str, sharding: str, seed: int, model: str = "sparse"):
+    """A proactive model and its optimizer; ``model="sequence"``: sequence tables (an
+    EmbeddingCollection) beside pooled ones, each with its proactive sharder."""
+    fused = {"optimizer": FUSED[optimizer], "learning_rate": 0.05, "eps": 1e-3}
+    if model == "sequence":
+        tables = (make_sequence_tables(), make_pooled_tables())
+        torch.manual_seed(seed)
+        net = SequenceModel(*tables)
+        sharder = [ProactiveEmbeddingCollectionSharder(fused_params=dict(fused), cache_load_factor=0.1),
+                   ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), cache_load_factor=0.1)]
+    else:
+        tables = make_tables(4, rows=300, dim=8, shared_feature=True)
+        torch.manual_seed(seed)
+        net = SparseModel(tables)
+        sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=fused, cache_load_factor=0.1)
+    dmp = shard_model(net, sharder, build_plan(net, sharder, sharding), torch.device("cpu"))
     # Adam keeps dense state (created lazily, at the first step).
     opt = combined_optimizer(dmp, lambda params: torch.optim.Adam(params, lr=0.01))
     return tables, dmp, opt
@@ -70,10 +84,12 @@ def _state(dmp, opt) -> Dict[str, Any]:
     return {"model": dmp.state_dict(), "optimizer": dict(sd)}
 
 
-def save(rank: int, world_size: int, root: str, optimizer: str, sharding: str) -> Dict[str, Any]:
-    tables, dmp, opt = _model(world_size, optimizer, sharding, seed=0)
+def save(rank: int, world_size: int, root: str, optimizer: str, sharding: str, model: str = "sparse") -> Dict[str, Any]:
+    tables, dmp, opt = _model(world_size, optimizer, sharding, seed=0, model=model)
     pipeline = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
-    batches = iter([make_batch(tables, 16, seed=100 * rank + i) for i in range(5)])
+    make = (lambda i: make_sequence_batch(*tables, 16, seed=100 * rank + i)) if model == "sequence" else (
+        lambda i: make_batch(tables, 16, seed=100 * rank + i))
+    batches = iter([make(i) for i in range(5)])
     while True:
         try:
             pipeline.progress(batches)
@@ -88,9 +104,9 @@ def save(rank: int, world_size: int, root: str, optimizer: str, sharding: str) -
             "empty_entries": sum(1 for v in state["optimizer"]["state"].values() if isinstance(v, dict) and not v)}
 
 
-def load(rank: int, world_size: int, path: str, optimizer: str, sharding: str) -> Dict[str, Any]:
+def load(rank: int, world_size: int, path: str, optimizer: str, sharding: str, model: str = "sparse") -> Dict[str, Any]:
     # Another initialisation, so that only the checkpoint can make the tables equal.
-    _, dmp, opt = _model(world_size, optimizer, sharding, seed=7)
+    _, dmp, opt = _model(world_size, optimizer, sharding, seed=7, model=model)
     ck = Checkpointer(path.rsplit("/", 1)[0], rank, world_size, keep=2, log=logging.getLogger("ckpt"))
     opt.init_state()  # Adam's dense state exists only after a step (the Trainer does the same)
     opt.zero_grad()

@@ -220,3 +220,40 @@ def weighted_features(rank: int, world_size: int, sharding: str) -> Dict[str, An
     a, b = _params(dmp), _params(stock)
     return {"max_param_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
             "max_out_diff": max(float((x - y).abs().max()) for x, y in zip(out, ref)), "n": len(out)}
+
+
+def vbe_and_compare(rank: int, world_size: int, sharding: Any, depths: List[int], optimizer: str = "rowwise_adagrad",
+                    load_factor: float = 0.2, steps: int = 6) -> Dict[str, Any]:
+    """Variable batch per feature (VBE, with ``inverse_indices``): stock TorchRec against the
+    proactive sharder at each depth, on the same batches."""
+    from .sparse_model import make_vbe_batch
+
+    tables = make_tables(4, rows=400, dim=8, shared_feature=True)
+    torch.manual_seed(123)
+    seed_state = SparseModel(tables).state_dict()
+    batches = [make_vbe_batch(tables, 12, seed=1000 * rank + i) for i in range(steps)]
+    fused = FUSED[optimizer]
+    dmp, opt = _build(EmbeddingBagCollectionSharder(fused_params=dict(fused)), sharding, "fused", tables, seed_state)
+    ref_out = _run(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches)
+    ref_params = _params(dmp)
+    runs = {}
+    for k in depths:
+        sharder = ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), cache_load_factor=load_factor,
+                                                         debug_checks=True)
+        dmp, opt = _build(sharder, sharding, "fused_uvm_caching", tables, seed_state)
+        pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=k)
+        out = _run(pipe, batches)
+        dmp.module.ebc.check_invariants(expect_drained=True)
+        runs[k] = {"out": out, "params": _params(dmp), "stats": pipe.stats()}
+    base = runs[depths[0]]
+    return {
+        "n_out": len(base["out"]),
+        "rows_requested": {k: r["stats"]["rows_requested"] for k, r in runs.items()},
+        "hit_rate": {k: r["stats"]["hit_rate"] for k, r in runs.items()},
+        "bitwise_equal_across_depths": all(
+            all(torch.equal(a[1], b[1]) for a, b in zip(r["out"], base["out"]))
+            and all(torch.equal(r["params"][n], base["params"][n]) for n in base["params"]) for r in runs.values()),
+        "same_keys_as_stock": sorted(ref_params) == sorted(base["params"]),
+        "max_param_diff_vs_stock": max(float((base["params"][n] - ref_params[n]).abs().max()) for n in ref_params),
+        "max_out_diff_vs_stock": max(float((a[1] - b[1]).abs().max()) for a, b in zip(base["out"], ref_out)),
+    }

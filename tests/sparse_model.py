@@ -64,3 +64,26 @@ def make_batch(tables: List[EmbeddingBagConfig], batch_size: int, seed: int, max
     )
     return Batch(dense_features=torch.randn(batch_size, DENSE_IN, generator=g), sparse_features=kjt,
                  labels=torch.randint(0, 2, (batch_size,), generator=g).float())
+
+
+def make_vbe_batch(tables: List[EmbeddingBagConfig], batch_size: int, seed: int, max_len: int = 3) -> Batch:
+    """A variable-batch-per-feature (VBE) batch: feature ``i`` has ``batch_size // (i % 3 + 1)``
+    distinct bags (a user feature shared by several samples of a request, say), and the KJT's
+    ``inverse_indices`` map each of the ``batch_size`` samples to its bag, as TorchRec's VBE
+    inputs do; the EBC's output is expanded back to ``batch_size`` rows."""
+    g = torch.Generator().manual_seed(seed)
+    keys, lengths, values, strides, inverse = [], [], [], [], []
+    for t in tables:
+        probs = torch.arange(1, t.num_embeddings + 1, dtype=torch.float64).pow(-1.2)
+        for f in t.feature_names:
+            bags = max(1, batch_size // (len(keys) % 3 + 1))
+            n = torch.randint(0, max_len + 1, (bags,), generator=g)
+            keys.append(f)
+            strides.append([bags])
+            lengths.append(n)
+            values.append(torch.multinomial(probs, int(n.sum()), replacement=True, generator=g))
+            inverse.append(torch.randint(0, bags, (batch_size,), generator=g))
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
+                            stride_per_key_per_rank=strides, inverse_indices=(keys, torch.stack(inverse)))
+    return Batch(dense_features=torch.randn(batch_size, DENSE_IN, generator=g), sparse_features=kjt,
+                 labels=torch.randint(0, 2, (batch_size,), generator=g).float())

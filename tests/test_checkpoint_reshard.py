@@ -19,7 +19,10 @@ from .cases_worker import launch_cases, ok
 ROOT = Path(__file__).resolve().parents[1]
 
 
-RESHARD = [("sgd", "table_wise"), ("rowwise_adagrad", "row_wise")]
+# (optimizer, sharding, model): "sequence" has sequence tables (an EmbeddingCollection)
+# beside pooled ones.
+RESHARD = [("sgd", "table_wise", "sparse"), ("rowwise_adagrad", "row_wise", "sparse"),
+           ("rowwise_adagrad", "row_wise", "sequence")]
 
 
 @pytest.fixture(scope="module")
@@ -28,30 +31,31 @@ def resharded(tmp_path_factory):
     each): starting ranks costs more than a case."""
     root = tmp_path_factory.mktemp("reshard")
     saved = launch_cases(checkpoint_worker.save, RESHARD, [
-        dict(root=str(root / f"{optimizer}-{sharding}"), optimizer=optimizer, sharding=sharding)
-        for optimizer, sharding in RESHARD])
+        dict(root=str(root / f"{optimizer}-{sharding}-{model}"), optimizer=optimizer, sharding=sharding, model=model)
+        for optimizer, sharding, model in RESHARD])
     good = [case for case in RESHARD if "error" not in saved[case][0]]
     loaded = {world_size: launch_cases(checkpoint_worker.load, good, [
-        dict(path=saved[case][0]["ok"]["path"], optimizer=case[0], sharding=case[1]) for case in good],
-        world_size=world_size) for world_size in (1, 2)}
+        dict(path=saved[case][0]["ok"]["path"], optimizer=case[0], sharding=case[1], model=case[2])
+        for case in good], world_size=world_size) for world_size in (1, 2)}
     return saved, loaded
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("optimizer,sharding", RESHARD)
-def test_saved_on_two_ranks_loads_on_one_and_on_two(resharded, optimizer: str, sharding: str):
+@pytest.mark.parametrize("optimizer,sharding,model", RESHARD)
+def test_saved_on_two_ranks_loads_on_one_and_on_two(resharded, optimizer: str, sharding: str, model: str):
     saved, loaded = resharded
-    saved = ok(saved[(optimizer, sharding)])
+    saved = ok(saved[(optimizer, sharding, model)])
     want = saved[0]["whole"]
-    tables = [k for k in want if k.startswith("model.") and "embedding_bags" in k]
-    fused = [k for k in want if k.startswith("optimizer.") and "embedding_bags" in k]
+    # (sequence tables' keys: "ec.embeddings.<table>.weight"; pooled: "...embedding_bags...")
+    tables = [k for k in want if k.startswith("model.") and ("embedding_bags" in k or "embeddings." in k)]
+    fused = [k for k in want if k.startswith("optimizer.") and ("embedding_bags" in k or "embeddings." in k)]
     assert len(tables) == 4 and len(want) > len(tables)
     if optimizer == "sgd":  # a stateless fused optimizer: empty entries, which dcp.load would trip on
         assert saved[0]["empty_entries"] > 0 and not fused
     else:
         assert len(fused) == 4
     for world_size in (1, 2):
-        for res in ok(loaded[world_size][(optimizer, sharding)]):
+        for res in ok(loaded[world_size][(optimizer, sharding, model)]):
             got = res["whole"]
             assert sorted(got) == sorted(want)
             unequal = [k for k in want if not np.array_equal(got[k], want[k])]

@@ -6,8 +6,16 @@ TorchRec's planner under the given sharder, trains the sharded model on 2 gloo r
 compares it with the unsharded model. The sharders below restrict sharding type and kernel
 the way TorchRec's ``TestEBCSharder`` does, on top of stock or proactive.
 
-Default run: the stock sanity config and one proactive config per sharding type; the full
-matrix (poolings x shardings x cache sizes) is marked ``slow``.
+Sequence tables run through TorchRec's mixed test model (``TestMixedEmbeddingSparseArch``:
+an ``EmbeddingCollection`` alone, or beside an ``EmbeddingBagCollection``) under the proactive
+sequence sharder.
+
+(Its VBE inputs, ``variable_batch_per_feature=True``, give each rank a batch of its own size,
+whose predictions it all-gathers: gloo refuses tensors of unequal sizes, for stock's sharder as
+for ours, so VBE is checked against stock in ``test_vbe.py`` instead.)
+
+Default run: the stock sanity config, one proactive config per sharding type, and two sequence
+configs; the full matrices (poolings x shardings x cache sizes) are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 
-from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder
+from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder, ProactiveEmbeddingCollectionSharder
 
 
 def _install_sequence_model_stub() -> None:
@@ -53,9 +61,9 @@ def _install_sequence_model_stub() -> None:
 _install_sequence_model_stub()
 
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase  # noqa: E402
-from torchrec.distributed.test_utils.test_model import TestSparseNN  # noqa: E402
+from torchrec.distributed.test_utils.test_model import TestMixedEmbeddingSparseArch, TestSparseNN  # noqa: E402
 from torchrec.distributed.test_utils.test_sharding import sharding_single_rank_test  # noqa: E402
-from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -93,6 +101,32 @@ class ProactiveTestSharder(ProactiveEmbeddingBagCollectionSharder):
         return [self._kernel_type]
 
 
+class ProactiveSequenceTestSharder(ProactiveEmbeddingCollectionSharder):
+    """The same restriction on top of the proactive sequence sharder."""
+
+    def __init__(self, sharding_type: str, kernel_type: str = "fused_uvm_caching",
+                 fused_params: Optional[Dict[str, Any]] = None, cache_load_factor: float = 0.5) -> None:
+        self._sharding_type, self._kernel_type = sharding_type, kernel_type
+        super().__init__(fused_params or {}, cache_load_factor=cache_load_factor)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [self._sharding_type]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [self._kernel_type]
+
+
+def _sequence_tables(pooled: bool):
+    """Sequence tables (one dim, as an EmbeddingCollection needs) and, with ``pooled``, the
+    pooled tables of TorchRec's mixed test model beside them."""
+    tables: List[Any] = [EmbeddingConfig(num_embeddings=(i + 1) * 10, embedding_dim=16, name=f"seq_table_{i}",
+                                         feature_names=[f"seq_feature_{i}"]) for i in range(3)]
+    if pooled:
+        tables += [EmbeddingBagConfig(num_embeddings=(i + 1) * 10, embedding_dim=(i + 1) * 8, name=f"table_{i}",
+                                      feature_names=[f"feature_{i}"]) for i in range(2)]
+    return tables
+
+
 def _tables(pooling: PoolingType):
     """TorchRec's test-suite table set: 4 tables + 2 sharing features, 2 weighted tables."""
     tables = [EmbeddingBagConfig(num_embeddings=(i + 1) * 10, embedding_dim=(i + 2) * 8, name=f"table_{i}",
@@ -120,6 +154,43 @@ class _Harness(MultiProcessTestBase):
             tables=tables, weighted_tables=weighted, embedding_groups=groups, sharders=[sharder],
             backend="gloo", optim=EmbOptimType.EXACT_SGD,
         )
+
+
+class _SequenceHarness(MultiProcessTestBase):
+    def run_sequence(self, sharders, pooled: bool) -> None:
+        """TorchRec's mixed EBC + EC test model (``TestMixedEmbeddingSparseArch``)."""
+        self._run_multi_process_test(
+            callable=_harness_rank, world_size=2, model_class=TestMixedEmbeddingSparseArch,
+            tables=_sequence_tables(pooled), weighted_tables=None, embedding_groups={}, sharders=sharders,
+            backend="gloo", optim=EmbOptimType.EXACT_SGD,
+        )
+
+
+class TestSequenceHarnessDefault(_SequenceHarness):
+    def test_proactive_sequence_table_wise(self) -> None:
+        self.run_sequence([ProactiveSequenceTestSharder(ShardingType.TABLE_WISE.value, fused_params=dict(SGD))],
+                          pooled=False)
+
+    def test_proactive_mixed_row_wise(self) -> None:
+        self.run_sequence([ProactiveSequenceTestSharder(ShardingType.ROW_WISE.value, fused_params=dict(SGD)),
+                           ProactiveTestSharder(ShardingType.ROW_WISE.value, fused_params=dict(SGD))], pooled=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value,
+                                      ShardingType.COLUMN_WISE.value])
+@pytest.mark.parametrize("pooled", [False, True], ids=["ec", "ec+ebc"])
+@pytest.mark.parametrize("load_factor", [0.1, 1.0])
+def test_sequence_harness_matrix(sharding, pooled, load_factor):
+    case = _SequenceHarness("run_sequence")
+    case.setUp()
+    try:
+        sharders = [ProactiveSequenceTestSharder(sharding, fused_params=dict(SGD), cache_load_factor=load_factor)]
+        if pooled:
+            sharders.append(ProactiveTestSharder(sharding, fused_params=dict(SGD), cache_load_factor=load_factor))
+        case.run_sequence(sharders, pooled)
+    finally:
+        case.tearDown()
 
 
 class TestHarnessDefault(_Harness):

@@ -4,8 +4,11 @@ Public API (imported lazily, so ``import torchrec_proactive`` is cheap and the s
 used without TorchRec; ``dir(torchrec_proactive)`` lists it):
 
 * :class:`ProactiveEmbeddingBagCollectionSharder` - swap in for ``EmbeddingBagCollectionSharder``.
+* :class:`ProactiveEmbeddingCollectionSharder` - swap in for ``EmbeddingCollectionSharder``
+  (sequence tables).
 * :class:`ProactiveTrainPipeline` - swap in for ``TrainPipelineSparseDist``.
-* :class:`ProactiveShardedEmbeddingBagCollection` - the sharded module the sharder builds.
+* :class:`ProactiveShardedEmbeddingBagCollection`, :class:`ProactiveShardedEmbeddingCollection` -
+  the sharded modules the sharders build.
 * :class:`ProactiveOptions` - how the sharder caches proactive tables (its keyword
   arguments, as the sharder holds them: ``sharder.options``).
 * :class:`LinkModel` - an emulated host-to-device link for CPU runs (``torchrec_proactive.fetch``).
@@ -21,7 +24,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ProactiveEmbeddingBagCollectionSharder": "torchrec_proactive.integration.sharder",
+    "ProactiveEmbeddingCollectionSharder": "torchrec_proactive.integration.sharder",
     "ProactiveShardedEmbeddingBagCollection": "torchrec_proactive.integration.sharded_ebc",
+    "ProactiveShardedEmbeddingCollection": "torchrec_proactive.integration.sharded_ec",
     "ProactiveTrainPipeline": "torchrec_proactive.integration.pipeline",
     "ProactiveOptions": "torchrec_proactive.integration.options",
     "LinkModel": "torchrec_proactive.fetch",

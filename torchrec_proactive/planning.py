@@ -1,5 +1,8 @@
 """Building sharding plans and sharded models the same way for every run (example, bench, tests).
 
+Plans cover every ``EmbeddingBagCollection`` and ``EmbeddingCollection`` that a sharder given
+shards (stock's or ours: one sharder per collection type).
+
 ``sharding`` names one of TorchRec's sharding types for all tables (``table_wise``,
 ``row_wise``, ``column_wise``, ``table_row_wise``, ``data_parallel``), a per-table mapping of
 them, or ``auto`` for TorchRec's planner. ``kernel`` is the compute kernel of every
@@ -16,7 +19,6 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
@@ -30,7 +32,8 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import CacheParams, KeyValueParams, ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.distributed.types import ModuleSharder
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -82,9 +85,30 @@ def find_ebcs(model: nn.Module) -> Dict[str, EmbeddingBagCollection]:
     return {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
 
 
+Sharders = Union[ModuleSharder[nn.Module], Sequence[ModuleSharder[nn.Module]]]
+
+
+def as_sharders(sharder: Sharders) -> List[ModuleSharder[nn.Module]]:
+    """One sharder or several (one per collection type), as a list."""
+    return [sharder] if isinstance(sharder, ModuleSharder) else list(sharder)
+
+
+def table_configs(module: nn.Module) -> List[Any]:
+    """An embedding collection's table configs (``EmbeddingBagConfig`` or ``EmbeddingConfig``)."""
+    if isinstance(module, EmbeddingCollection):
+        return list(module.embedding_configs())
+    return list(module.embedding_bag_configs())  # type: ignore[operator]
+
+
+def find_collections(model: nn.Module, sharders: Sharders) -> Dict[str, "tuple[nn.Module, ModuleSharder[nn.Module]]"]:
+    """``{fqn: (collection, its sharder)}`` for every module of ``model`` a sharder shards."""
+    by_type = {s.module_type: s for s in as_sharders(sharders)}
+    return {name: (m, by_type[type(m)]) for name, m in model.named_modules() if type(m) in by_type}
+
+
 def build_plan(
     model: nn.Module,
-    sharder: EmbeddingBagCollectionSharder,
+    sharder: Sharders,
     sharding: Union[str, Mapping[str, str]],
     kernel: str = "fused_uvm_caching",
     world_size: Optional[int] = None,
@@ -96,7 +120,8 @@ def build_plan(
     key_value_params: Optional[KeyValueParams] = None,
     ssd_cap_bytes: int = 0,
 ) -> ShardingPlan:
-    """A plan for every ``EmbeddingBagCollection`` in ``model``.
+    """A plan for every embedding collection in ``model`` that ``sharder`` (one, or one per
+    collection type) shards.
 
     Hand-built (``construct_module_sharding_plan``) for explicit sharding types; TorchRec's
     planner for ``"auto"`` (constrained to ``kernel``, the cache load factor and, when given,
@@ -110,9 +135,10 @@ def build_plan(
         raise ValueError(f"unknown compute kernel {kernel!r}; choose from {KERNELS}")
     world_size = world_size or dist.get_world_size()
     local_size = local_size or world_size
-    ebcs = find_ebcs(model)
-    if not ebcs:
-        raise ValueError("the model has no EmbeddingBagCollection to shard")
+    collections = find_collections(model, sharder)
+    if not collections:
+        kinds = sorted({s.module_type.__name__ for s in as_sharders(sharder)})
+        raise ValueError(f"the model has no {' or '.join(kinds)} to shard")
     if kernel == "key_value" and key_value_params is None:
         raise ValueError("kernel='key_value' needs key_value_params=KeyValueParams(ssd_storage_directory=...)")
     kv = key_value_params if kernel == "key_value" else None
@@ -128,12 +154,14 @@ def build_plan(
         # Only the sharding types that can run `kernel` (the sharder says which: proactive
         # tables support fewer than stock's `fused` on CPU, and data_parallel tables are
         # dense - offering it made the planner warn once per table that no kernel fits).
-        types = [t for t in sharder.sharding_types(device_type) if kernel in sharder.compute_kernels(t, device_type)
-                 and (sharding_types is None or t in sharding_types)]
+        def types(s: Any) -> List[str]:
+            return [t for t in s.sharding_types(device_type) if kernel in s.compute_kernels(t, device_type)
+                    and (sharding_types is None or t in sharding_types)]
+
         constraints = {
-            cfg.name: ParameterConstraints(sharding_types=types, compute_kernels=[plan_kernel],
+            cfg.name: ParameterConstraints(sharding_types=types(s), compute_kernels=[plan_kernel],
                                            cache_params=cache_for(cfg.name), key_value_params=kv)
-            for ebc in ebcs.values() for cfg in ebc.embedding_bag_configs()
+            for module, s in collections.values() for cfg in table_configs(module)
         }
         topology = TopologyFactory.create_topology(
             TrainerConfig(world_size=world_size, local_world_size=local_size),
@@ -145,7 +173,7 @@ def build_plan(
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
                                            storage_reservation=FixedPercentageStorageReservation(0.15))
         with planner_warnings() as heard:
-            plan = planner.collective_plan(model, [sharder], pg or dist.GroupMember.WORLD)
+            plan = planner.collective_plan(model, as_sharders(sharder), pg or dist.GroupMember.WORLD)
         if heard:  # one line (a run shows it in its log, in config words)
             warnings.warn(f"TorchRec's planner logged {len(heard)} warning(s); the first: {heard[0]}", stacklevel=2)
         if plan_kernel != kernel:
@@ -156,9 +184,8 @@ def build_plan(
                         ps.cache_params = cache_for(name)
         return plan
     plan: Dict[str, Any] = {}
-    for fqn, ebc in ebcs.items():
-        configs = ebc.embedding_bag_configs()
-        names = [c.name for c in configs]
+    for fqn, (module, module_sharder) in collections.items():
+        names = [c.name for c in table_configs(module)]
         if isinstance(sharding, Mapping):
             unknown = sorted(set(sharding) - set(names))
             if unknown:
@@ -168,7 +195,7 @@ def build_plan(
             per_table = {n: sharding for n in names}
         gens = {n: _generator(per_table[n], i, world_size, local_size) for i, n in enumerate(names)}
         module_plan = construct_module_sharding_plan(
-            ebc, per_param_sharding=gens, sharder=sharder, local_size=local_size,
+            module, per_param_sharding=gens, sharder=module_sharder, local_size=local_size,
             world_size=world_size, device_type=device_type,
         )
         for name, ps in module_plan.items():
@@ -184,7 +211,7 @@ def build_plan(
 
 def shard_model(
     model: nn.Module,
-    sharder: EmbeddingBagCollectionSharder,
+    sharder: Sharders,
     plan: ShardingPlan,
     device: torch.device,
     pg: Optional[dist.ProcessGroup] = None,
@@ -195,7 +222,7 @@ def shard_model(
         env=ShardingEnv.from_process_group(pg or dist.GroupMember.WORLD),
         device=device,
         plan=plan,
-        sharders=[sharder],
+        sharders=as_sharders(sharder),
         init_data_parallel=True,
     )
 

@@ -18,7 +18,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from ..integration.sharded_ebc import ProactiveShardedEmbeddingBagCollection
+from ..integration.sharded_module import ProactiveShardedModule
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def cache_depth_limit(model: torch.nn.Module, ids_per_batch: int, cap: int = 64)
     distinct rows each. ``cap`` when nothing bounds it."""
     limit = cap
     for m in model.modules():
-        if isinstance(m, ProactiveShardedEmbeddingBagCollection):
+        if isinstance(m, ProactiveShardedModule):
             for table in m.named_tables().values():
                 ranges = table.segment_slot_ranges()
                 # (a store with per-table budgets: each table's budget must hold its batches)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -18,13 +18,15 @@ from torchrec.distributed.types import KeyValueParams, ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer
 
-from .. import ProactiveEmbeddingBagCollectionSharder
+from .. import ProactiveEmbeddingBagCollectionSharder, ProactiveEmbeddingCollectionSharder
 from ..cacheplan.planner import WHOLE_ROW_SHARDINGS
 from ..config.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, Config, ModelConfig, OptimizerConfig
+from ..data.history import HISTORY_FEATURE
 from ..fetch import LinkModel
 from ..integration.disk_tier import resolve_directory
-from ..planning import PROACTIVE_KERNELS, build_plan, combined_optimizer, shard_model
+from ..planning import PROACTIVE_KERNELS, Sharders, as_sharders, build_plan, combined_optimizer, shard_model
 from .env import RankEnv
+from .sequence import build_sequence_model, history_table
 
 FEATURES = [f"cat_{i}" for i in range(NUM_SPARSE_FEATURES)]  # keys of the Criteo loader's KJT
 _EMB_OPT = {
@@ -43,9 +45,18 @@ def table_configs(cfg: ModelConfig, cardinalities: Sequence[int]) -> List[Embedd
     ]
 
 
+def model_tables(cfg: ModelConfig, cardinalities: Sequence[int]) -> List[Any]:
+    """Every table of the model: the pooled ones (:func:`table_configs`) and, for
+    ``arch=sequence``, the history's (an ``EmbeddingConfig``, last)."""
+    tables: List[Any] = list(table_configs(cfg, cardinalities))
+    return tables + [history_table(cfg)] if cfg.arch == "sequence" else tables
+
+
 def build_model(cfg: ModelConfig, cardinalities: Sequence[int], device: torch.device) -> DLRMTrain:
-    """``DLRMTrain(DLRM | DLRM_DCN)``. The embedding tables are built on the meta device:
-    sharding allocates (and initialises) only each rank's shards."""
+    """``DLRMTrain(DLRM | DLRM_DCN | SequenceRecommender)``. The embedding tables are built
+    on the meta device: sharding allocates (and initialises) only each rank's shards."""
+    if cfg.arch == "sequence":
+        return build_sequence_model(cfg, table_configs(cfg, cardinalities), device)
     ebc = EmbeddingBagCollection(tables=table_configs(cfg, cardinalities), device=torch.device("meta"))
     common = dict(
         embedding_bag_collection=ebc, dense_in_features=NUM_DENSE_FEATURES,
@@ -67,16 +78,17 @@ def fused_params(cfg: OptimizerConfig) -> Dict[str, object]:
 
 
 def cache_slots(
-    tables: Sequence[EmbeddingBagConfig], cfg: Config, world_size: int, local_size: int, depth: int,
+    tables: Sequence[Any], cfg: Config, world_size: int, local_size: int, depth: int,
     shard_rows: Optional[Mapping[str, int]] = None,
 ) -> Tuple[Dict[str, int], List[str]]:
     """Per-table cache sizes for tables whose load-factor cache cannot hold the rows of
     ``depth + 1`` in-flight batches (the pipeline pins that many), plus a note for each.
 
     One batch brings at most ``world_size * batch_size`` ids per feature to a shard (one id
-    per sample and feature in Criteo - ``data.multi_hot_sizes[f]`` in multi-hot data -
-    whatever the sharding), so that bound - capped by the shard's rows - is what must fit,
-    per batch. Tables that already fit are left to the load factor.
+    per sample and feature in Criteo - ``data.multi_hot_sizes[f]`` in multi-hot data,
+    ``model.history_length`` in the history of ``arch=sequence`` - whatever the sharding),
+    so that bound - capped by the shard's rows - is what must fit, per batch. Tables that
+    already fit are left to the load factor.
 
     ``shard_rows``: the rows of each table's largest shard in the plan (:func:`shard_rows`);
     tables it leaves out are not cached. Without it the rows are estimated from
@@ -88,6 +100,8 @@ def cache_slots(
     ids_per_batch = world_size * cfg.train.batch_size
     # ids per sample of each feature: 1 in Criteo, data.multi_hot_sizes in MLPerf DLRM-v2's multi-hot data
     hot = dict(zip(FEATURES, cfg.data.multi_hot_sizes)) if cfg.data.multi_hot and cfg.data.multi_hot_sizes else {}
+    if cfg.model.arch == "sequence":  # a history holds up to history_length ids per sample
+        hot[HISTORY_FEATURE] = cfg.model.history_length
     divisor = {"row_wise": world_size, "table_row_wise": local_size, "auto": world_size}.get(cfg.sharding.type, 1)
     slots: Dict[str, int] = {}
     notes: List[str] = []
@@ -122,8 +136,10 @@ def describe_growth(notes: Sequence[str], depth: int) -> str:
     return f"cache.fit_depth: caches grown to hold {depth + 1} batches {what}: {shown}"
 
 
-def build_sharder(cfg: Config, slots: Dict[str, int], tables: Sequence[EmbeddingBagConfig] = ()
-                  ) -> ProactiveEmbeddingBagCollectionSharder:
+def build_sharder(cfg: Config, slots: Dict[str, int], tables: Sequence[Any] = ()) -> Sharders:
+    """The proactive sharder of the model's collections, with the run's options: the EBC
+    sharder, and for ``arch=sequence`` a list of the EC sharder and the EBC sharder, both
+    with the same options (``planning.build_plan`` and ``shard_model`` take either)."""
     link = None
     if cfg.link.kind == "emulated":
         link = LinkModel(bandwidth_gbps=cfg.link.bandwidth_gbps, latency_us=cfg.link.latency_us)
@@ -135,10 +151,13 @@ def build_sharder(cfg: Config, slots: Dict[str, int], tables: Sequence[Embedding
         # (TorchRec: one TBE per table), else the group would share one cache.
         fused[USE_ONE_TBE_PER_TABLE] = True
     host_cache = ({t.name: int(cfg.tier.host_cache_mb * 2**20) for t in tables} if cfg.tier.kind == "ssd" else None)
-    return ProactiveEmbeddingBagCollectionSharder(
-        fused_params=fused, cache_load_factor=cfg.cache.load_factor,
-        eviction_policy=cfg.cache.eviction_policy, num_slots=slots, link=link, host_cache_bytes=host_cache,
-    )
+    options: Dict[str, Any] = dict(cache_load_factor=cfg.cache.load_factor, eviction_policy=cfg.cache.eviction_policy,
+                                   num_slots=slots, link=link)
+    ebc = ProactiveEmbeddingBagCollectionSharder(fused_params=fused, host_cache_bytes=host_cache, **options)
+    if cfg.model.arch != "sequence":
+        return ebc
+    # (tier=ssd is refused for this model at composition: the disk tier serves bags only)
+    return [ProactiveEmbeddingCollectionSharder(fused_params=dict(fused), **options), ebc]
 
 
 def _plans_on_device(cfg: Config) -> bool:
@@ -146,7 +165,7 @@ def _plans_on_device(cfg: Config) -> bool:
     return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
 
 
-def plan(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config, env: RankEnv,
+def plan(model: DLRMTrain, sharder: Sharders, cfg: Config, env: RankEnv,
          load_factors: Optional[Mapping[str, float]] = None) -> ShardingPlan:
     """The sharding plan of ``sharding.*`` (TorchRec's planner for ``auto``). ``load_factors``:
     per table (the cache planner's, whose sharding types the plan keeps to: table- and
@@ -189,11 +208,11 @@ def cache_slots_of(dmp: nn.Module) -> Dict[Tuple[str, int], int]:
     as its store was built (``ProactiveOptions.slots_for``: ``num_slots`` or the plan's load
     factor, at most the shard's rows). Tables of one store with equal load factors share
     its slots: each is given its own share here. :func:`table_slots` adds them up."""
-    from ..integration.sharded_ebc import ProactiveShardedEmbeddingBagCollection
+    from ..integration.sharded_module import ProactiveShardedModule
 
     by_rows: Dict[Tuple[str, int], int] = {}
     for module in dmp.modules():
-        if not isinstance(module, ProactiveShardedEmbeddingBagCollection):
+        if not isinstance(module, ProactiveShardedModule):
             continue
         options = module._proactive_options
         for kernel in module.proactive_kernels:
@@ -216,14 +235,15 @@ def table_slots(per_rank: Sequence[Mapping[Tuple[str, int], int]]) -> Dict[str, 
     return out
 
 
-def with_slots(sharder: ProactiveEmbeddingBagCollectionSharder, slots: Dict[str, int]
-               ) -> ProactiveEmbeddingBagCollectionSharder:
-    """``sharder`` with per-table cache sizes (set after planning: they depend on the plan)."""
-    sharder.options = dataclasses.replace(sharder.options, num_slots=dict(slots))
+def with_slots(sharder: Sharders, slots: Dict[str, int]) -> Sharders:
+    """``sharder`` (one or a list) with per-table cache sizes (set after planning: they
+    depend on the plan). Each sharder gets them all; it uses its own tables'."""
+    for s in as_sharders(sharder):
+        s.options = dataclasses.replace(s.options, num_slots=dict(slots))  # type: ignore[attr-defined]
     return sharder
 
 
-def shard(model: DLRMTrain, sharder: ProactiveEmbeddingBagCollectionSharder, cfg: Config,
+def shard(model: DLRMTrain, sharder: Sharders, cfg: Config,
           env: RankEnv, sharding_plan: Optional[ShardingPlan] = None) -> DistributedModelParallel:
     return shard_model(model, sharder, sharding_plan or plan(model, sharder, cfg, env), env.device)
 

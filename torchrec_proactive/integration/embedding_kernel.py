@@ -66,6 +66,38 @@ from .host_views import LiveTableSlice, can_be_live, live_view, register_host_st
 from .options import ProactiveOptions
 
 
+@dataclass(frozen=True)
+class VbeLayout:
+    """Where a variable-batch (VBE) group's pooled bags go in TorchRec's VBE output: one
+    flat tensor, rank-major (rank r: feature f's ``B[f][r]`` bags, features in order), as
+    FBGEMM's TBE writes it. Bags come out of the lookup feature-major (the KJT's order);
+    ``order`` lists them rank-major."""
+
+    order: torch.Tensor  # bag indices in output order
+    strides: Tuple[Tuple[int, ...], ...]  # B[f][r]: bags of feature f from rank r
+
+    @staticmethod
+    def of(strides: List[List[int]], device: torch.device) -> "VbeLayout":
+        first = np.cumsum([0] + [sum(per_rank) for per_rank in strides])[:-1]  # each feature's first bag
+        within = [np.cumsum([0] + list(per_rank))[:-1] for per_rank in strides]  # rank r's first bag in f
+        ranks = len(strides[0]) if strides else 0
+        parts = [np.arange(first[f] + within[f][r], first[f] + within[f][r] + strides[f][r])
+                 for r in range(ranks) for f in range(len(strides))]
+        order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return VbeLayout(torch.from_numpy(order.astype(np.int64)).to(device),
+                         tuple(tuple(int(b) for b in per_rank) for per_rank in strides))
+
+    def place(self, flat: torch.Tensor, dim: int, output: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``output`` (TorchRec's preallocated VBE output of several groups) with this
+        group's ``flat`` segments copied where ``offsets[r][f]`` says (out of place, so
+        autograd sees every group's part)."""
+        starts = offsets.cpu().tolist()
+        positions = [torch.arange(starts[r][f], starts[r][f] + self.strides[f][r] * dim)
+                     for r in range(len(starts)) for f in range(len(self.strides))]
+        index = torch.cat(positions).to(output.device) if positions else torch.zeros(0, dtype=torch.int64)
+        return output.index_copy(0, index, flat.to(output.dtype))
+
+
 @dataclass
 class PreparedBatch:
     """A group's share of a batch reduced to what planning needs, before any store state is
@@ -80,6 +112,7 @@ class PreparedBatch:
     num_values: int
     weights: Optional[torch.Tensor]
     sample_major: bool
+    vbe: Optional[VbeLayout] = None
 
 
 @dataclass
@@ -94,6 +127,7 @@ class PlannedGroup:
     # The batch's bags were reordered sample-major (one id per bag): the pooled rows are
     # already TorchRec's [B, sum(dims)] layout and need no transpose.
     sample_major: bool = False
+    vbe: Optional[VbeLayout] = None  # a variable-batch batch: its output layout
 
     @property
     def table_batches(self) -> List[TableBatch]:
@@ -149,7 +183,13 @@ class ProactiveFusedOptimizer(EmbeddingFusedOptimizer):
 
 
 class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
-    """Serves one TorchRec group of pooled tables from one tiered store. Built by :meth:`from_stock`."""
+    """Serves one TorchRec group of tables from one tiered store. Built by :meth:`from_stock`.
+
+    Pooled groups (an ``EmbeddingBagCollection``'s) return ``[B, sum(dims)]`` as
+    ``BatchedFusedEmbeddingBag`` does. Sequence groups (an ``EmbeddingCollection``'s, pooling
+    ``NONE``) return ``[num_ids, dim]``, each id's row in the KJT's order, as
+    ``BatchedFusedEmbedding`` does: to the store they are bags of one id each, so both take
+    the same plan, fetch, lookup and fused update."""
 
     def __init__(
         self,
@@ -186,6 +226,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         # TorchRec's choice for this sharding type: row-wise shardings pool mean as a sum
         # here and divide after the output all-to-all, when all of a bag's rows are summed.
         self._mode = "mean" if self._pooling == PoolingMode.MEAN else "sum"
+        self._sequence = self._pooling == PoolingMode.NONE
         tables = config.embedding_tables
         self._host_buffer, self._host_views = host_buffer, list(host_weights)
         # On the device (CUDA by default) a batch is planned with fixed-shape tensor ops and
@@ -248,6 +289,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._feature_rows_device = (torch.tensor(feature_rows, dtype=torch.int64, device=self._device)
                                      if self._on_device and len(self.store.segments) > 1 else None)
         self._orders: Dict[int, torch.Tensor] = {}  # stride -> sample-major order of values
+        self._vbe_layouts: Dict[Any, VbeLayout] = {}  # VBE batch sizes -> output layout
         # Connects our custom autograd function to the graph; never receives a gradient.
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
@@ -311,7 +353,8 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                      for v in views]
             buffer = host
         kernel = cls(stock.config, views, buffer, options, user_fused_params, engine, pg, device,
-                     pooling_mode=stock._pooling,  # noqa: SLF001 - as TorchRec chose it for this sharding
+                     # (as TorchRec chose it for this sharding; a sequence kernel does not pool)
+                     pooling_mode=getattr(stock, "_pooling", PoolingMode.NONE),
                      host_buffer_on_device=keep_alive)
         kernel._uvm_owner = keep_alive
         return kernel
@@ -599,12 +642,18 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     def prepare_batch(self, features: KeyedJaggedTensor) -> PreparedBatch:
         """The group's ids as unique store rows (no store state is read or written)."""
-        if features.variable_stride_per_key():
-            raise InvalidInputError(f"tables {self.table_names()}: variable batch size per feature is not supported")
         if self._on_device:
             return self._prepare_on_device(features)
         stride = features.stride()
         values = features.values()
+        if self._sequence:
+            # Every id is its own bag; ids stay in the KJT's order, which is the output's.
+            ids = values.cpu().numpy()
+            rows = torch.from_numpy(store_rows(ids, self._feature_start, stride, features.length_per_key(),
+                                               False, False))
+            unique, inverse = unique_rows(rows)
+            return PreparedBatch(unique, inverse, self._one_id_bags(ids.shape[0], values.device), True, stride,
+                                 int(ids.shape[0]), None, False)
         weights = features.weights_or_none()
         # Ids were checked against their table's size in the sharded module's input dist,
         # before bucketisation (where the error can still name the sample), so here they
@@ -613,32 +662,54 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         ids = values.cpu().numpy()  # int32 or int64; a view unless the ids are on an accelerator
         num_features = self._num_features
         # As many ids as bags and no bag empty: every bag holds exactly one id (Criteo's
-        # shape), so feature f's ids are the f-th block of `stride`.
+        # shape), so feature f's ids are the f-th block of `stride`. (Not with a variable
+        # batch per feature (VBE): each feature has a stride of its own.)
+        vbe = self._vbe_layout(features)
         lengths = features.lengths()
         num_ids = ids.shape[0]
         one_per_bag = 0 < num_ids == lengths.numel() and int(lengths.cpu().numpy().min()) >= 1
-        per_feature: List[int] = [] if one_per_bag else features.length_per_key()
+        per_feature: List[int] = [] if one_per_bag and vbe is None else features.length_per_key()
         # Otherwise the ids may still come in blocks of `stride` per feature.
-        blocks = one_per_bag or (stride > 0 and all(n == stride for n in per_feature))
+        blocks = vbe is None and (one_per_bag or (stride > 0 and all(n == stride for n in per_feature)))
         # One id per bag and several features: hand the store the ids sample by sample
         # (value f * B + b of TorchRec's feature-major order goes to b * F + f), so that the
         # pooled rows come out in TorchRec's [B, sum(dims)] layout with no transpose in
         # forward or backward. Done before planning: the plan's lookup recipe is then in
         # that order already. The sums per row run in the new order: deterministic.
-        sample_major = one_per_bag and num_features > 1
+        sample_major = one_per_bag and num_features > 1 and vbe is None
         if sample_major and weights is not None:
             weights = weights.index_select(0, self._sample_major_order(stride).to(weights.device))
         rows = torch.from_numpy(store_rows(ids, self._feature_start, stride, per_feature, blocks, sample_major))
         unique, inverse = unique_rows(rows)
         return PreparedBatch(unique, inverse, features.offsets(), one_per_bag, stride, int(values.numel()),
-                             weights, sample_major)
+                             weights, sample_major, vbe)
 
     def _prepare_on_device(self, features: KeyedJaggedTensor) -> PreparedBatch:
         """The group's ids as they come, on their device: moving them into the store's row
         space is part of the plan (``_row_mapping``), so that it runs inside the plan's graph."""
         values = features.values()
-        return PreparedBatch(values, None, features.offsets(), False, features.stride(),  # type: ignore[arg-type]
-                             int(values.shape[0]), features.weights_or_none(), False)
+        offsets = self._one_id_bags(int(values.shape[0]), values.device) if self._sequence else features.offsets()
+        return PreparedBatch(values, None, offsets, False, features.stride(),  # type: ignore[arg-type]
+                             int(values.shape[0]), features.weights_or_none(), False,
+                             None if self._sequence else self._vbe_layout(features))
+
+    def _vbe_layout(self, features: KeyedJaggedTensor) -> Optional[VbeLayout]:
+        """A variable-batch KJT's output layout (cached per batch-size pattern), else None."""
+        if self._sequence or not features.variable_stride_per_key():
+            return None
+        strides = features.stride_per_key_per_rank()
+        key = tuple(tuple(per_rank) for per_rank in strides)
+        layout = self._vbe_layouts.get(key)
+        if layout is None:
+            if len(self._vbe_layouts) >= 64:  # (bounded: batch-size patterns can be many)
+                self._vbe_layouts.clear()
+            layout = self._vbe_layouts[key] = VbeLayout.of(strides, self._device)
+        return layout
+
+    @staticmethod
+    def _one_id_bags(num_ids: int, device: torch.device) -> torch.Tensor:
+        """Offsets of ``num_ids`` bags of one id each: a sequence lookup as a pooled one."""
+        return torch.arange(num_ids + 1, dtype=torch.int64, device=device)
 
     def _row_mapping(self, prepared: PreparedBatch) -> RowMapping:
         """Each id plus the first row of its feature's table, the feature found from the
@@ -692,7 +763,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                 f"them; batches with more distinct rows and prefetching need more.",
                 stacklevel=2,
             )
-        return PlannedGroup(self, batch, p.stride, p.num_values, p.weights, p.sample_major)
+        return PlannedGroup(self, batch, p.stride, p.num_values, p.weights, p.sample_major, p.vbe)
 
     def _report_device_checks(self) -> None:
         """Raises for what the device-side checks found at earlier batches (read without a
@@ -742,7 +813,12 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         """Forgets a bound batch that will not be looked up (its plans are released elsewhere)."""
         self._bound = None
 
-    def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, features: KeyedJaggedTensor, *args: Any, vbe_output: Optional[torch.Tensor] = None,  # type: ignore[override]
+                vbe_output_offsets: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        """The group's lookup: ``[B, sum(dims)]`` (pooled), ``[num_ids, dim]`` (sequence), or
+        for a variable batch per feature TorchRec's flat VBE output - this group's alone, or
+        written into ``vbe_output`` at ``vbe_output_offsets`` when TorchRec merges several
+        groups' outputs (as FBGEMM's TBE takes them)."""
         planned, self._bound = self._bound, None
         # A forward with grad enabled may be trained on, whatever the module's mode: FBGEMM
         # updates the tables in backward in eval mode too (users freeze dropout that way).
@@ -778,6 +854,13 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         pooled = pooled_lookup_group([planned.batch], self._anchor, [planned.weights], train=train)[0]
         if train:
             self._awaiting_backward = planned.batch
+        if self._sequence:
+            return pooled  # [num_ids, dim]: each id's row, in the KJT's order
+        if planned.vbe is not None:
+            flat = pooled.index_select(0, planned.vbe.order).reshape(-1)
+            if vbe_output is None:
+                return flat
+            return planned.vbe.place(flat, int(pooled.shape[1]), vbe_output, vbe_output_offsets)  # type: ignore[arg-type]
         stride = planned.stride
         if planned.sample_major:
             return pooled.view(stride, -1)

@@ -48,7 +48,7 @@ from torchrec.distributed.train_pipeline.utils import _wait_for_batch
 from ..fetch import FetchFailedError
 from ..store import IdOutOfRangeError, InvalidInputError, StoreStateError
 from ..store.async_count import AsyncCount
-from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
+from .sharded_module import ProactiveShardedModule
 from .tracing import PipelineTracer
 
 
@@ -67,7 +67,9 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
 
     Args:
         model: a ``DistributedModelParallel`` sharded with
-            :class:`ProactiveEmbeddingBagCollectionSharder` (other sharded modules run stock).
+            :class:`ProactiveEmbeddingBagCollectionSharder` and/or
+            :class:`ProactiveEmbeddingCollectionSharder` (bags, sequences, or both, fed from
+            one KJT or several; other sharded modules run stock).
         optimizer: the dense optimizer (usually a ``CombinedOptimizer`` with the fused one).
         device: training device.
         prefetch_depth: ``k``; 0 is the reactive baseline.
@@ -119,7 +121,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         self.prefetch_depth = prefetch_depth
         self._disk_depth = disk_depth
         self.tracer = PipelineTracer(enabled=trace)
-        self._proactive_modules: List[ProactiveShardedEmbeddingBagCollection] = []
+        self._proactive_modules: List[ProactiveShardedModule] = []
         # Names of the contexts whose ids were waited for (and fetch issued when k >= 1), and
         # of those staged on disk (ids waited for, disk reads queued, not planned yet).
         self._prefetched: set = set()
@@ -168,13 +170,13 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _find_proactive_modules(model: torch.nn.Module) -> List[ProactiveShardedEmbeddingBagCollection]:
+    def _find_proactive_modules(model: torch.nn.Module) -> List[ProactiveShardedModule]:
         root = model.module if isinstance(model, DistributedModelParallel) else model
-        return [m for m in root.modules() if isinstance(m, ProactiveShardedEmbeddingBagCollection)]
+        return [m for m in root.modules() if isinstance(m, ProactiveShardedModule)]
 
     def _configure_modules(self) -> None:
         self._proactive_modules = [
-            m for m in self._pipelined_modules if isinstance(m, ProactiveShardedEmbeddingBagCollection)
+            m for m in self._pipelined_modules if isinstance(m, ProactiveShardedModule)
         ]
         for module in self._proactive_modules:
             module.set_prefetch_depth(self.prefetch_depth)
@@ -228,7 +230,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             dist_input = context.input_dist_tensors_requests.pop(name).wait()
             module_ctx = context.module_contexts[name]
             module_ctx.owner = self._owner  # type: ignore[attr-defined]
-            if isinstance(module, ProactiveShardedEmbeddingBagCollection):
+            if isinstance(module, ProactiveShardedModule):
                 module.stage(dist_input, module_ctx)
             context.input_dist_tensors_requests[name] = NoWait(dist_input)
 
@@ -255,10 +257,10 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
                 module_ctx.record_stream(current)
             module_ctx.batch_index = context.index  # type: ignore[attr-defined]
             module_ctx.owner = self._owner  # type: ignore[attr-defined]
-            if self.prefetch_depth > 0 and isinstance(module, ProactiveShardedEmbeddingBagCollection):
+            if self.prefetch_depth > 0 and isinstance(module, ProactiveShardedModule):
                 module_ctx.prefetch_expected = True  # type: ignore[attr-defined]
                 # Batch N's forward comes before this batch's lookup (k >= 1): plan it while
-                # N's output all-to-all runs (see ProactiveEBCContext).
+                # N's output all-to-all runs (see ProactiveContextFields).
                 module_ctx.plan_in_output_dist = True  # type: ignore[attr-defined]
                 module.prefetch(dist_input=dist_input, forward_stream=None, ctx=module_ctx)
             # Handed to the forward as stock hands it: an awaitable of the ids (already here).
@@ -437,7 +439,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
                 except FetchFailedError:
                     pass
                 finally:
-                    ProactiveShardedEmbeddingBagCollection._release_fetch(fetch)
+                    ProactiveShardedModule._release_fetch(fetch)
         # Input all-to-alls already launched must complete on every rank before we forget them.
         for context in self.contexts:
             if context.fused_splits_awaitables:

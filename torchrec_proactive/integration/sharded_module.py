@@ -1,6 +1,8 @@
-"""``ShardedEmbeddingBagCollection`` whose cached tables are served from tiered stores.
+"""The proactive half of a sharded embedding module, shared by bags and sequences.
 
-Only TorchRec's documented hooks are overridden:
+:class:`ProactiveShardedModule` is mixed into TorchRec's ``ShardedEmbeddingBagCollection``
+(``sharded_ebc.py``) and ``ShardedEmbeddingCollection`` (``sharded_ec.py``). Only TorchRec's
+documented hooks are overridden:
 
 * ``prefetch(dist_input, forward_stream, ctx)`` - called by the pipeline as soon as a batch's
   ids are local (after its input all-to-all): plans every proactive table and issues one
@@ -10,7 +12,9 @@ Only TorchRec's documented hooks are overridden:
 * ``create_context`` - a context that carries the batch's fetch from one hook to the other.
 
 and one construction step, ``_create_lookups``, to put :class:`ProactiveEmbeddingBag` where
-TorchRec put its fused kernel for the cached tables (see the comment there).
+TorchRec put its fused kernel for the cached tables (see the comment there). The two
+collections differ only in how TorchRec names their shardings, lookups and stock kernels
+(the class attributes and small methods each subclass sets).
 
 Tables planned with other kernels stay stock; so do data-parallel tables.
 """
@@ -28,16 +32,9 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
-from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList
-from torchrec.distributed.embeddingbag import (
-    EmbeddingBagCollectionContext,
-    ShardedEmbeddingBagCollection,
-)
-from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -94,7 +91,7 @@ class BatchFetch:
     # Issued by the batch's own lookup (reactive, a plain forward, or a prefetch that
     # waited until its lookup): its rows were copied on the critical path.
     at_lookup: bool = False
-    owner: Any = None  # the prefetching pipeline (see ProactiveEBCContext.owner)
+    owner: Any = None  # the prefetching pipeline (see ProactiveContextFields.owner)
     # The module's lookups done when the fetch was issued; at the batch's lookup, its lead
     # (how many lookups ahead it was issued: k at depth k, 0 at lookup) follows from it.
     issued_after_lookups: int = 0
@@ -106,8 +103,9 @@ class BatchFetch:
 
 
 @dataclass
-class ProactiveEBCContext(EmbeddingBagCollectionContext):
-    """The batch's fetch, carried from ``prefetch`` to ``compute_and_output_dist``;
+class ProactiveContextFields:
+    """What a proactive module's batch context carries (mixed into TorchRec's context of
+    each collection): the batch's fetch, from ``prefetch`` to ``compute_and_output_dist``;
     ``prefetch_expected`` is set by a pipeline that promised to prefetch this batch.
 
     ``plan_in_output_dist`` is set by a pipeline that runs an earlier batch's forward
@@ -208,13 +206,32 @@ class ProactiveStats:
         }
 
 
-class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """A ``ShardedEmbeddingBagCollection`` with proactive cold-row fetching.
+class ProactiveShardedModule:
+    """Proactive cold-row fetching for a TorchRec sharded embedding module (a mixin, first
+    among the bases: see ``ProactiveShardedEmbeddingBagCollection`` and
+    ``ProactiveShardedEmbeddingCollection``).
 
-    Made by :class:`ProactiveEmbeddingBagCollectionSharder`; users do not build it directly.
-    ``prefetch_depth`` is set by :class:`ProactiveTrainPipeline`; at depth 0 (the default,
-    and what a plain ``model(batch)`` call uses) rows are fetched at lookup time.
+    Made by the proactive sharders; users do not build it directly. ``prefetch_depth`` is
+    set by :class:`ProactiveTrainPipeline`; at depth 0 (the default, and what a plain
+    ``model(batch)`` call uses) rows are fetched at lookup time.
+
+    A subclass names what differs between TorchRec's collections: ``_stock_kernel_type``
+    (the fused kernel TorchRec builds for a group), ``_lookup_type`` (the grouped lookup
+    that builds it), ``_data_parallel_type`` (the sharding without one), and
+    :meth:`_shardings` and :meth:`_table_configs`.
     """
+
+    _stock_kernel_type: type
+    _lookup_type: type
+    _data_parallel_type: type
+
+    def _shardings(self) -> List[Any]:
+        """The module's embedding shardings, in the order of its lookups."""
+        raise NotImplementedError
+
+    def _table_configs(self) -> List[Any]:
+        """The module's table configs (``EmbeddingBagConfig`` or ``EmbeddingConfig``)."""
+        raise NotImplementedError
 
     def __init__(self, *args: Any, proactive_options: Optional[ProactiveOptions] = None, **kwargs: Any) -> None:
         # Needed by _create_lookups, which the parent constructor calls. The module's one
@@ -238,7 +255,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._prefetched: List[BatchFetch] = []
         self._staged: List[Any] = []  # contexts of batches staged on disk and not yet planned
         self._lookups_consumed = 0  # lookups that consumed a fetch (for ProactiveStats.prefetch_lead_lookups)
-        self._validator = InputValidator(self._embedding_bag_configs)
+        self._validator = InputValidator(self._table_configs())
         self._warned_deferral = False
         # Set by the pipeline for the batch it is running; a forward of such a batch whose
         # fetch is missing is a pipeline bug, not a plain forward.
@@ -253,8 +270,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # kernel for it (that allocates every row): while the lookups are built, the one
         # method that builds a group's kernel builds ours for those groups (see
         # ``_disk_kernels_built_here``).
-        with _disk_kernels_built_here(self._disk_groups, self._build_disk_kernel):
-            super()._create_lookups()
+        with _disk_kernels_built_here(self._lookup_type, self._disk_groups, self._build_disk_kernel):
+            super()._create_lookups()  # type: ignore[misc]
         # TorchRec has no public hook to choose the kernel class of a lookup group, so the
         # stock fused kernel of each proactive group is replaced here, right after the
         # lookups are built and before the fused optimizers and state-dict views are
@@ -263,8 +280,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         # Per lookup, also record how its KJT splits into groups and which groups are ours:
         # the hot path reads this instead of walking the lookups.
         self._group_layout: List[Tuple[List[int], List[Optional[ProactiveEmbeddingBag]]]] = []
-        for lookup, sharding in zip(self._lookups, self._embedding_shardings):
-            if isinstance(sharding, DpPooledEmbeddingSharding):
+        for lookup, sharding in zip(self._lookups, self._shardings()):
+            if isinstance(sharding, self._data_parallel_type):
                 self._group_layout.append(([], []))
                 continue
             modules = lookup._emb_modules  # noqa: SLF001 - see comment above
@@ -275,7 +292,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 if isinstance(stock, ProactiveEmbeddingBag):  # (a group on disk: built as ours)
                     self._proactive_kernels.append(stock)
                     continue
-                if not isinstance(stock, BatchedFusedEmbeddingBag):
+                if not isinstance(stock, self._stock_kernel_type):
                     raise NotImplementedError(
                         f"tables {config.table_names()}: proactive caching needs the fused kernel, "
                         f"TorchRec built {type(stock).__name__}"
@@ -299,32 +316,24 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             local_rank=int(os.environ.get("LOCAL_RANK", self._env.rank)),
         )
 
-    def create_embedding_bag_sharding(  # type: ignore[override]
-        self,
-        sharding_infos: List[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        permute_embeddings: bool = False,
-        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
-    ) -> Any:
-        # TorchRec groups the tables by their fused params here (per-table optimizers stay
-        # in separate groups, exactly as stock). Only then is each proactive group's copy of
-        # them changed: the stock fused kernel TorchRec builds for it only lends us its host
-        # weight storage, so build it with plain SGD (no optimizer state to allocate, and
-        # supported on every FBGEMM backend, unlike e.g. Adam on CPU); the user's params go
-        # to ProactiveEmbeddingBag. (TorchRec calls this classmethod through the instance,
-        # which is what lets us keep per-module state.)
-        # A table on disk carries its directory into TorchRec's grouping key, so that a group
-        # never mixes tables on disk with tables in DRAM (one store per group, one host tier).
+    def _mark_disk_tables(self, sharding_infos: List[EmbeddingShardingInfo]) -> None:
+        """Before TorchRec groups the tables of a sharding: a table on disk carries its
+        directory into TorchRec's grouping key, so that a group never mixes tables on disk
+        with tables in DRAM (one store per group, one host tier)."""
         disk = self._proactive_options.disk
         for info in sharding_infos:
             spec = disk.get(info.embedding_config.name)
             if spec is not None:
                 info.fused_params = {**(info.fused_params or {}), GROUP_KEY: spec.directory}
-        sharding = ShardedEmbeddingBagCollection.create_embedding_bag_sharding.__func__(  # type: ignore[attr-defined]
-            type(self), sharding_infos, env, device, permute_embeddings=permute_embeddings,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-        )
+
+    def _claim_proactive_groups(self, sharding: Any, device: Optional[torch.device]) -> Any:
+        """After TorchRec grouped the tables of a sharding (by their fused params: per-table
+        optimizers stay in separate groups, exactly as stock), each proactive group's copy
+        of its params is changed: the stock fused kernel TorchRec builds for it only lends
+        us its host weight storage, so it is built with plain SGD (no optimizer state to
+        allocate, and supported on every FBGEMM backend, unlike e.g. Adam on CPU); the
+        user's params go to ProactiveEmbeddingBag. (TorchRec calls its sharding factory
+        through the instance, which is what lets us keep per-module state.)"""
         on_cuda = device is not None and torch.device(device).type == "cuda"
         for config in _local_grouped_configs(sharding):
             if is_proactive_group(config) and id(config) not in self._user_fused_params:
@@ -357,7 +366,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         kernels = getattr(self, "_proactive_kernels", [])
         on_disk = [k for k in kernels if k.on_disk_tier]
         with _planned_key_value(self.module_sharding_plan, {t for k in on_disk for t in k.table_names()}):
-            super().reset_parameters()
+            super().reset_parameters()  # type: ignore[misc]
         if self._device is not None and self._device.type == "meta":
             return
         for kernel in kernels:
@@ -372,11 +381,8 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for kernel in getattr(self, "_proactive_kernels", []):
             kernel.close()
 
-    def create_context(self) -> ProactiveEBCContext:
-        return ProactiveEBCContext()
-
     # ------------------------------------------------------------------ hooks
-    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Any:  # type: ignore[override]
+    def input_dist(self, ctx: Any, features: KeyedJaggedTensor) -> Any:
         """Validates the batch on the rank that owns it, then TorchRec's input all-to-all.
 
         Bad ids must be caught before they are bucketised and sent: after the all-to-all
@@ -386,13 +392,13 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             # (Ids on a GPU are checked by the device planner instead, without a host read,
             # and reported a batch later: see ProactiveEmbeddingBag._report_device_checks.)
             self._validator.check(features)
-        return super().input_dist(ctx, features)
+        return super().input_dist(ctx, features)  # type: ignore[misc]
 
     def prefetch(
         self,
         dist_input: KJTList,
         forward_stream: Optional[torch.Stream] = None,
-        ctx: Optional[EmbeddingBagCollectionContext] = None,
+        ctx: Optional[Any] = None,
     ) -> None:
         """Plans the batch on every proactive kernel and issues its fetch (non-blocking).
 
@@ -402,7 +408,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         backward passes release enough pins, at the latest at their own forward.
         """
         if ctx is None:
-            raise ValueError("ProactiveShardedEmbeddingBagCollection.prefetch needs the batch context")
+            raise ValueError(f"{type(self).__name__}.prefetch needs the batch context")
         if forward_stream is not None:
             # TorchRec's PrefetchTrainPipelineSparseDist prefetches on a side stream that never
             # waits for the fused updates on the compute stream; our cache has one owner, the
@@ -420,7 +426,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if not getattr(ctx, "plan_in_output_dist", False):
             self._plan_waiting(owner=getattr(ctx, "owner", None))
 
-    def stage(self, dist_input: KJTList, ctx: EmbeddingBagCollectionContext) -> None:
+    def stage(self, dist_input: KJTList, ctx: Any) -> None:
         """Tables on disk: queues the disk reads of a batch that will be planned later (the
         pipeline's ``disk_depth`` batches ahead, while its plan is ``prefetch_depth``
         ahead), pinning its rows in the host caches until it is planned. Only where rows
@@ -451,7 +457,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             ctx.stages = None
             self._staged = [c for c in self._staged if c is not ctx]
 
-    def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
+    def compute_and_output_dist(self, ctx: Any, input: KJTList) -> LazyAwaitable:  # type: ignore[override]
         if torch.is_grad_enabled():
             # The pin rule (see ProactiveEmbeddingBag.forward): the previous training
             # lookup's backward had its chance; its pins end before this batch plans.
@@ -477,7 +483,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self._account_known()
             for group in fetch.groups:
                 group.kernel.bind(group)
-        out = super().compute_and_output_dist(ctx, input)
+        out = super().compute_and_output_dist(ctx, input)  # type: ignore[misc]
         if self._proactive_options.debug_checks:
             self.check_invariants()
         owner = getattr(ctx, "owner", None)
@@ -516,7 +522,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _forget_waiting(self, ctx: Any) -> None:
         self._waiting = deque((c, d) for c, d in self._waiting if c is not ctx)
 
-    def _fetch_at_lookup(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> Optional[BatchFetch]:
+    def _fetch_at_lookup(self, ctx: Any, input: KJTList) -> Optional[BatchFetch]:
         """The fetch of a batch that reaches its lookup without one."""
         owner = getattr(ctx, "owner", None)
         self._plan_waiting(until=ctx, owner=owner)  # backward passes since the last try may have released pins
@@ -544,7 +550,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self._issue(input, index, overflow=True, ctx=ctx)
 
     def _issue(self, dist_input: KJTList, index: Optional[int], overflow: bool,
-               ctx: Optional[EmbeddingBagCollectionContext] = None) -> BatchFetch:
+               ctx: Optional[Any] = None) -> BatchFetch:
         """Plans the batch on every proactive kernel and issues one ticket for all of them.
 
         Without ``overflow``, raises ``CacheCapacityError`` (changing nothing) when some
@@ -826,7 +832,7 @@ class ProactiveShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         self.flush_cache()
-        return super().state_dict(*args, **kwargs)
+        return super().state_dict(*args, **kwargs)  # type: ignore[misc]
 
     def named_tables(self) -> Dict[str, Any]:
         """``{table shard name: TieredTable}`` of this rank's proactive tables."""
@@ -857,24 +863,24 @@ def _planned_key_value(plan: Dict[str, Any], tables: set) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _disk_kernels_built_here(groups: Dict[int, Any], build: Any) -> Iterator[None]:
-    """While TorchRec builds the lookups of a module with groups on disk, its pooled lookup
-    builds :class:`ProactiveEmbeddingBag` for those groups (``build(config, device, pg,
-    sharding_type)``) and its own kernel for every other group. TorchRec has no hook to
+def _disk_kernels_built_here(lookup_type: type, groups: Dict[int, Any], build: Any) -> Iterator[None]:
+    """While TorchRec builds the lookups of a module with groups on disk, its grouped lookup
+    (``lookup_type``, the pooled one) builds :class:`ProactiveEmbeddingBag` for those groups
+    (``build(config, device, pg, sharding_type)``) and its own kernel for every other group. TorchRec has no hook to
     choose a group's kernel class; this is the narrowest place: one method, one class, for
     the duration of one constructor call, restored whatever happens."""
     if not groups:
         yield
         return
-    original = GroupedPooledEmbeddingsLookup._create_embedding_kernel
+    original = lookup_type._create_embedding_kernel
 
     def create(lookup: Any, config: Any, device: Any, pg: Any, sharding_type: Any, *args: Any, **kwargs: Any) -> Any:
         if id(config) in groups:
             return build(config, device, pg, sharding_type)
         return original(lookup, config, device, pg, sharding_type, *args, **kwargs)
 
-    GroupedPooledEmbeddingsLookup._create_embedding_kernel = create  # type: ignore[method-assign]
+    lookup_type._create_embedding_kernel = create  # type: ignore[method-assign]
     try:
         yield
     finally:
-        GroupedPooledEmbeddingsLookup._create_embedding_kernel = original  # type: ignore[method-assign]
+        lookup_type._create_embedding_kernel = original  # type: ignore[method-assign]

@@ -1,4 +1,5 @@
-"""The sharder users swap in for TorchRec's ``EmbeddingBagCollectionSharder``."""
+"""The sharders users swap in for TorchRec's ``EmbeddingBagCollectionSharder`` and
+``EmbeddingCollectionSharder``: one plan vocabulary, one store, one set of options."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import CacheParams, ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from ..fetch import LinkModel
 from .options import ProactiveOptions
 from .disk_tier import KEY_VALUE, DiskTierSpec, spec_from_plan
 from .planner_support import register_cpu_cached_kernel
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
+from .sharded_ec import ProactiveShardedEmbeddingCollection
 
 # TorchRec's planner must be able to rate the cached kernel on CPU (see planner_support).
 register_cpu_cached_kernel()
@@ -29,9 +32,161 @@ _CACHED = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 _SUPPORTED_SHARDING = frozenset(
     t.value for t in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_ROW_WISE)
 )
+# Stock TorchRec shards sequence tables table-, row- and column-wise (and data-parallel).
+_SUPPORTED_SEQUENCE_SHARDING = frozenset(
+    t.value for t in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)
+)
 
 
-class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+class _ProactiveSharding:
+    """What the proactive sharders share, mixed in before TorchRec's sharder: the options,
+    the kernels offered to the planner, the plan's cached tables marked for prefetch, and
+    the announcement of which tables are proactive. A subclass names its collection's
+    supported sharding types and whether ``key_value`` tables get the disk tier."""
+
+    _supported_sharding: frozenset = _SUPPORTED_SHARDING
+    _disk_tier: bool = True
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        *,
+        cache_load_factor: float = 0.2,
+        eviction_policy: str = "lru",
+        num_slots: Optional[Mapping[str, int]] = None,
+        hot_rows: Optional[Mapping[str, torch.Tensor]] = None,
+        link: Optional[LinkModel] = None,
+        debug_checks: bool = False,
+        planner: str = "auto",
+        table_budgets: str = "auto",
+        host_cache_bytes: Optional[Mapping[str, int]] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry,  # type: ignore[call-arg]
+                         **kwargs)
+        self.options = ProactiveOptions(
+            cache_load_factor=cache_load_factor,
+            num_slots=dict(num_slots or {}),
+            eviction_policy=eviction_policy,
+            hot_rows=dict(hot_rows or {}),
+            link=link,
+            debug_checks=debug_checks,
+            planner=planner,
+            table_budgets=table_budgets,
+        )
+        self.host_cache_bytes: Dict[str, int] = dict(host_cache_bytes or {})
+        self._announced = False
+        hide_own_planner_notes()
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        """Stock's kernels, with ``fused_uvm_caching`` offered exactly for the sharding types
+        proactive tables support (so the planner never picks a placement ``shard`` refuses)."""
+        kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type)  # type: ignore[misc]
+                   if k != _CACHED]
+        if sharding_type in self._supported_sharding:
+            kernels.append(_CACHED)
+            # (the disk tier is planned on the host: CPU for now; elsewhere key_value is stock's)
+            if self._disk_tier and compute_device_type == "cpu" and KEY_VALUE not in kernels:
+                kernels.append(KEY_VALUE)
+        return kernels
+
+    @staticmethod
+    def _table_names(module: Any) -> List[str]:
+        """The tables of the (unsharded) collection."""
+        raise NotImplementedError
+
+    def _prepare_plan(self, module: Any, params: Dict[str, ParameterSharding], env: ShardingEnv,
+                      device: Optional[torch.device]) -> "tuple[Dict[str, ParameterSharding], ProactiveOptions]":
+        """The plan as the sharded module takes it (see ``_mark_cached_tables``), and the
+        options with the disk tier's tables; announced once per sharder, on rank 0."""
+        # The disk tier serves CPU ranks for now; on a GPU, key_value tables stay stock
+        # TorchRec's (FBGEMM's SSD TBE), as they would with stock's sharder.
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        disk: Optional[Dict[str, DiskTierSpec]] = {} if self._disk_tier and on_cpu else None
+        marked = self._mark_cached_tables(module, params, disk)
+        options = dataclasses.replace(self.options, disk=disk) if disk else self.options
+        if not self._announced and getattr(env, "rank", 0) == 0:
+            self._announced = True  # once per sharder (a model's), on one rank
+            self.announce(marked, options)
+        return marked, options
+
+    @staticmethod
+    def announce(params: Mapping[str, ParameterSharding], options: Optional[ProactiveOptions] = None) -> int:
+        """Says which tables of a plan are proactive, each with the rows its cache holds of
+        its rows (one WARNING log line, so that it shows without any logging set up) and,
+        when none is, why and what to change (a ``UserWarning``: the pipeline would
+        otherwise run stock with nothing to prefetch, silently). Returns the number of
+        proactive tables."""
+        kernels = Counter(ps.compute_kernel for ps in params.values())
+        proactive = kernels.get(_CACHED, 0)
+        if proactive:
+            sizes = _cache_rows(params, options or ProactiveOptions())
+            shown = ", ".join(f"{name} {slots}/{rows}" for name, (slots, rows) in sizes.items())
+            rest = len(params) - proactive
+            disk = sorted((options.disk if options else {}) or {})
+            on_disk = (f"; on disk ({KEY_VALUE}: a file under {options.disk[disk[0]].directory} behind a DRAM host "
+                       f"cache): {', '.join(disk)}" if disk and options else "")
+            planned = f"{_CACHED} or {KEY_VALUE}" if disk else _CACHED
+            _LOG.warning("torchrec-proactive: %d of %d table(s) are proactive (planned %s: a host tier, and a device "
+                         "cache its rows are fetched into ahead of their lookup); cache rows / table rows: %s%s%s",
+                         proactive, len(params), planned, shown, on_disk,
+                         f"; the other {rest} stay stock TorchRec" if rest else "")
+            return proactive
+        if params:
+            shown = ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
+            warnings.warn(
+                f"torchrec-proactive: none of the {len(params)} table(s) is proactive: the plan put them in "
+                f"device memory ({shown}), and only {_CACHED} tables get a host tier and prefetching; plan the "
+                f"tables to tier with ParameterConstraints(compute_kernels=[\"{_CACHED}\"], "
+                f"cache_params=CacheParams(load_factor=...))",
+                UserWarning, stacklevel=2)
+        return 0
+
+    def _mark_cached_tables(
+        self, module: Any, params: Dict[str, ParameterSharding], disk: Optional[Dict[str, DiskTierSpec]] = None,
+    ) -> Dict[str, ParameterSharding]:
+        """Copies the plan, turning on ``CacheParams.prefetch_pipeline`` for cached tables.
+
+        That flag is TorchRec's own marker for "this cache is filled ahead of the lookup"; it
+        also keeps these tables in their own lookup groups. A ``key_value`` table becomes a
+        cached table whose host tier is on disk: its spec goes to ``disk``. The user's plan
+        is not mutated.
+        """
+        collection = type(module).__name__
+        known = set(self._table_names(module))
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(
+                f"sharding plan names tables {unknown} that the {collection} does not have "
+                f"(it has {sorted(known)})"
+            )
+        out: Dict[str, ParameterSharding] = {}
+        for name, ps in params.items():
+            if (ps.compute_kernel == _CACHED or (ps.compute_kernel == KEY_VALUE and disk is not None)) \
+                    and ps.sharding_type not in self._supported_sharding:
+                raise ValueError(
+                    f"table '{name}': sharding type {ps.sharding_type!r} is not supported for proactive "
+                    f"({ps.compute_kernel}) tables of an {collection}; supported: {sorted(self._supported_sharding)}"
+                )
+            if ps.compute_kernel == KEY_VALUE and disk is not None:
+                disk[name] = spec_from_plan(name, ps.key_value_params, self.host_cache_bytes.get(name))
+                ps = dataclasses.replace(ps, compute_kernel=_CACHED)
+            if ps.compute_kernel == _CACHED:
+                cache = ps.cache_params or CacheParams()
+                cache = dataclasses.replace(
+                    cache,
+                    prefetch_pipeline=True,
+                    load_factor=cache.load_factor if cache.load_factor is not None else self.options.cache_load_factor,
+                )
+                ps = dataclasses.replace(ps, cache_params=cache)
+            elif ps.compute_kernel not in {k.value for k in EmbeddingComputeKernel}:
+                raise ValueError(f"table '{name}': unknown compute kernel {ps.compute_kernel!r}")
+            out[name] = ps
+        return out
+
+
+class ProactiveEmbeddingBagCollectionSharder(_ProactiveSharding, EmbeddingBagCollectionSharder):
     """Shards ``EmbeddingBagCollection`` so that UVM-cached tables are fetched proactively.
 
     Drop-in for ``EmbeddingBagCollectionSharder``: it takes the same ``fused_params``
@@ -70,48 +225,6 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             plan's ``l2_cache_size``, which is whole GB per group: for small tables and tests).
     """
 
-    def __init__(
-        self,
-        fused_params: Optional[Dict[str, Any]] = None,
-        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
-        *,
-        cache_load_factor: float = 0.2,
-        eviction_policy: str = "lru",
-        num_slots: Optional[Mapping[str, int]] = None,
-        hot_rows: Optional[Mapping[str, torch.Tensor]] = None,
-        link: Optional[LinkModel] = None,
-        debug_checks: bool = False,
-        planner: str = "auto",
-        table_budgets: str = "auto",
-        host_cache_bytes: Optional[Mapping[str, int]] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
-        self.options = ProactiveOptions(
-            cache_load_factor=cache_load_factor,
-            num_slots=dict(num_slots or {}),
-            eviction_policy=eviction_policy,
-            hot_rows=dict(hot_rows or {}),
-            link=link,
-            debug_checks=debug_checks,
-            planner=planner,
-            table_budgets=table_budgets,
-        )
-        self.host_cache_bytes: Dict[str, int] = dict(host_cache_bytes or {})
-        self._announced = False
-        hide_own_planner_notes()
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        """Stock's kernels, with ``fused_uvm_caching`` offered exactly for the sharding types
-        proactive tables support (so the planner never picks a placement ``shard`` refuses)."""
-        kernels = [k for k in super().compute_kernels(sharding_type, compute_device_type) if k != _CACHED]
-        if sharding_type in _SUPPORTED_SHARDING:
-            kernels.append(_CACHED)
-            # (the disk tier is planned on the host: CPU for now; elsewhere key_value is stock's)
-            if compute_device_type == "cpu" and KEY_VALUE not in kernels:
-                kernels.append(KEY_VALUE)
-        return kernels
-
     def shard(
         self,
         module: EmbeddingBagCollection,
@@ -120,14 +233,7 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ProactiveShardedEmbeddingBagCollection:
-        # The disk tier serves CPU ranks for now; on a GPU, key_value tables stay stock
-        # TorchRec's (FBGEMM's SSD TBE), as they would with stock's sharder.
-        disk: Optional[Dict[str, DiskTierSpec]] = {} if device is None or torch.device(device).type == "cpu" else None
-        marked = self._mark_cached_tables(module, params, disk)
-        options = dataclasses.replace(self.options, disk=disk) if disk else self.options
-        if not self._announced and getattr(env, "rank", 0) == 0:
-            self._announced = True  # once per sharder (a model's), on one rank
-            self.announce(marked, options)
+        marked, options = self._prepare_plan(module, params, env, device)
         return ProactiveShardedEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=marked,
@@ -140,83 +246,59 @@ class ProactiveEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             proactive_options=options,
         )
 
-    @staticmethod
-    def announce(params: Mapping[str, ParameterSharding], options: Optional[ProactiveOptions] = None) -> int:
-        """Says which tables of a plan are proactive, each with the rows its cache holds of
-        its rows (one WARNING log line, so that it shows without any logging set up) and,
-        when none is, why and what to change (a ``UserWarning``: the pipeline would
-        otherwise run stock with nothing to prefetch, silently). Returns the number of
-        proactive tables."""
-        kernels = Counter(ps.compute_kernel for ps in params.values())
-        proactive = kernels.get(_CACHED, 0)
-        if proactive:
-            sizes = _cache_rows(params, options or ProactiveOptions())
-            shown = ", ".join(f"{name} {slots}/{rows}" for name, (slots, rows) in sizes.items())
-            rest = len(params) - proactive
-            disk = sorted((options.disk if options else {}) or {})
-            on_disk = (f"; on disk ({KEY_VALUE}: a file under {options.disk[disk[0]].directory} behind a DRAM host "
-                       f"cache): {', '.join(disk)}" if disk and options else "")
-            planned = f"{_CACHED} or {KEY_VALUE}" if disk else _CACHED
-            _LOG.warning("torchrec-proactive: %d of %d table(s) are proactive (planned %s: a host tier, and a device "
-                         "cache its rows are fetched into ahead of their lookup); cache rows / table rows: %s%s%s",
-                         proactive, len(params), planned, shown, on_disk,
-                         f"; the other {rest} stay stock TorchRec" if rest else "")
-            return proactive
-        if params:
-            shown = ", ".join(f"{n} {k}" for k, n in sorted(kernels.items()))
-            warnings.warn(
-                f"torchrec-proactive: none of the {len(params)} table(s) is proactive: the plan put them in "
-                f"device memory ({shown}), and only {_CACHED} tables get a host tier and prefetching; plan the "
-                f"tables to tier with ParameterConstraints(compute_kernels=[\"{_CACHED}\"], "
-                f"cache_params=CacheParams(load_factor=...))",
-                UserWarning, stacklevel=2)
-        return 0
-
     @property
     def sharded_module_type(self) -> type:  # type: ignore[override]
         return ProactiveShardedEmbeddingBagCollection
 
-    def _mark_cached_tables(
-        self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding],
-        disk: Optional[Dict[str, DiskTierSpec]] = None,
-    ) -> Dict[str, ParameterSharding]:
-        """Copies the plan, turning on ``CacheParams.prefetch_pipeline`` for cached tables.
+    @staticmethod
+    def _table_names(module: Any) -> List[str]:
+        return [c.name for c in module.embedding_bag_configs()]
 
-        That flag is TorchRec's own marker for "this cache is filled ahead of the lookup"; it
-        also keeps these tables in their own lookup groups. A ``key_value`` table becomes a
-        cached table whose host tier is on disk: its spec goes to ``disk``. The user's plan
-        is not mutated.
-        """
-        known = {c.name for c in module.embedding_bag_configs()}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(
-                f"sharding plan names tables {unknown} that the EmbeddingBagCollection does not have "
-                f"(it has {sorted(known)})"
-            )
-        out: Dict[str, ParameterSharding] = {}
-        for name, ps in params.items():
-            if (ps.compute_kernel == _CACHED or (ps.compute_kernel == KEY_VALUE and disk is not None)) \
-                    and ps.sharding_type not in _SUPPORTED_SHARDING:
-                raise ValueError(
-                    f"table '{name}': sharding type {ps.sharding_type!r} is not supported for proactive "
-                    f"({ps.compute_kernel}) tables; supported: {sorted(_SUPPORTED_SHARDING)}"
-                )
-            if ps.compute_kernel == KEY_VALUE and disk is not None:
-                disk[name] = spec_from_plan(name, ps.key_value_params, self.host_cache_bytes.get(name))
-                ps = dataclasses.replace(ps, compute_kernel=_CACHED)
-            if ps.compute_kernel == _CACHED:
-                cache = ps.cache_params or CacheParams()
-                cache = dataclasses.replace(
-                    cache,
-                    prefetch_pipeline=True,
-                    load_factor=cache.load_factor if cache.load_factor is not None else self.options.cache_load_factor,
-                )
-                ps = dataclasses.replace(ps, cache_params=cache)
-            elif ps.compute_kernel not in {k.value for k in EmbeddingComputeKernel}:
-                raise ValueError(f"table '{name}': unknown compute kernel {ps.compute_kernel!r}")
-            out[name] = ps
-        return out
+class ProactiveEmbeddingCollectionSharder(_ProactiveSharding, EmbeddingCollectionSharder):
+    """Shards ``EmbeddingCollection`` (sequence tables: one embedding per id, returned as a
+    ``JaggedTensor`` per feature) so that UVM-cached tables are fetched proactively.
+
+    Drop-in for ``EmbeddingCollectionSharder``, as :class:`ProactiveEmbeddingBagCollectionSharder`
+    is for bags, with the same options (see there) and ``use_index_dedup`` passed to stock.
+    Tables whose plan says ``fused_uvm_caching`` (table-, row- or column-wise, the sharding
+    types stock supports for sequence tables) are served from a host tier + device cache,
+    with the same lookahead, pins, write-backs and fused optimizers as bags; every other
+    table stays stock TorchRec. ``ProactiveTrainPipeline`` drives models with either
+    collection, or both. ``key_value`` tables stay stock's here (the disk tier serves bags
+    for now).
+    """
+
+    _supported_sharding = _SUPPORTED_SEQUENCE_SHARDING
+    _disk_tier = False
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> ProactiveShardedEmbeddingCollection:
+        marked, options = self._prepare_plan(module, params, env, device)
+        return ProactiveShardedEmbeddingCollection(
+            module,
+            marked,
+            env,
+            self.fused_params,
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup,
+            module_fqn=module_fqn,
+            proactive_options=options,
+        )
+
+    @property
+    def sharded_module_type(self) -> type:  # type: ignore[override]
+        return ProactiveShardedEmbeddingCollection
+
+    @staticmethod
+    def _table_names(module: Any) -> List[str]:
+        return [c.name for c in module.embedding_configs()]
 
 
 class _OwnPlannerNotes(logging.Filter):

@@ -67,10 +67,12 @@ class InputValidator:
         i = int(torch.nonzero(bad)[0])
         key_index = int(torch.searchsorted(per_key.cumsum(0), torch.tensor(i), right=True))
         feature = keys[key_index]
-        stride = features.stride()
+        # (each feature's bags start after the earlier features' bags: its own batch size
+        # with a variable batch per feature)
+        first_bag = sum(features.stride_per_key()[:key_index])
         key_offsets = features.offsets()
         position = int(torch.searchsorted(key_offsets, torch.tensor(i), right=True)) - 1
-        sample = position - key_index * stride
+        sample = position - first_bag
         raise IdOutOfRangeError(
             f"feature '{feature}' (table '{self._table_of[feature]}'): id {int(v[i])} is out of range "
             f"[0, {self._rows_of[feature]}) in sample {sample} of this rank's batch"
