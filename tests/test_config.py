@@ -71,8 +71,13 @@ def test_every_model_instantiates(variant: str) -> None:
     cards = {"dcnv2_terabyte": [min(c, 40_000_000) for c in TERABYTE_CARDINALITIES]}.get(variant, KAGGLE_CARDINALITIES)
     model = build_model(cfg.model, cards, torch.device("meta"))  # full-size tables, no memory
     arch = type(model.model).__name__
-    assert arch == {"dlrm": "DLRM", "dcnv2": "DLRM_DCN"}[cfg.model.arch]
-    ebc = model.model.sparse_arch.embedding_bag_collection
+    assert arch == {"dlrm": "DLRM", "dcnv2": "DLRM_DCN", "sequence": "SequenceRecommender"}[cfg.model.arch]
+    if cfg.model.arch == "sequence":  # the pooled features, and the history table beside them
+        ebc = model.model.embedding_bag_collection
+        (history,) = model.model.embedding_collection.embedding_configs()
+        assert (history.name, history.num_embeddings) == ("t_history", cfg.model.history_rows)
+    else:
+        ebc = model.model.sparse_arch.embedding_bag_collection
     assert [t.num_embeddings for t in ebc.embedding_bag_configs()] == list(cards)
 
 

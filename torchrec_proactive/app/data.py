@@ -23,6 +23,7 @@ from ..data.criteo import (
     torchrec_file_names,
 )
 from ..data.criteo_synth import spec_json
+from ..data.history import HistoryLoader, HistorySpec
 from .preflight import missing_data_message
 from .errors import ConfigError, PeerFailure, UserError
 
@@ -232,3 +233,10 @@ def loaders(pre: PreprocessedCriteo, cfg: DataConfig, batch_size: int) -> Loader
     )
     rows = sum(p.stop - p.start for p in split_rows(list(pre.num_samples), cfg.eval_fraction)[0])
     return Loaders(train, evaluation, list(pre.cardinalities), train_rows=rows, batch_size=batch_size)
+
+
+def with_histories(data: Loaders, spec: HistorySpec) -> Loaders:
+    """``data`` whose training and evaluation batches gain each sample's history (the
+    ``history`` key of their KJT, :mod:`torchrec_proactive.data.history`): a function of the
+    sample alone, so resumes, ``compare`` and evaluation see the same history for it."""
+    return replace(data, train=HistoryLoader(data.train, spec), eval=HistoryLoader(data.eval, spec))

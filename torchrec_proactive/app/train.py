@@ -24,6 +24,7 @@ from .env import check_same_config, cpu_build_note, make_env, seed_everything, s
 from .loop import Summary, Trainer, check_resume
 from .result import TrainResult
 from .rundir import check_run_dir, checkpoint_dir, latest_checkpoint
+from .sequence import history_spec
 
 
 def run_training(cfg: Config) -> Summary:
@@ -70,13 +71,15 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     pre = data_lib.prepare(cfg.data, log if log_config else data_lib.QUIET, progress=progress)
     pre = data_lib.hash_to_tables(pre, cfg.model.num_embeddings_per_feature, log if log_config else data_lib.QUIET)
     data = data_lib.loaders(pre, cfg.data, cfg.train.batch_size)
+    if cfg.model.arch == "sequence":  # each sample's history, a function of the sample (data/history.py)
+        data = data_lib.with_histories(data, history_spec(cfg.model, cfg.data.seed))
     if log_config:
         log.info("data: %d training steps per epoch per rank, %d eval batches, %d tables",
                  data.steps_per_epoch, len(data.eval), len(data.cardinalities))
 
     seed_everything(cfg.train.seed)
     model = model_lib.build_model(cfg.model, data.cardinalities, env.device)
-    tables = model_lib.table_configs(cfg.model, data.cardinalities)
+    tables = model_lib.model_tables(cfg.model, data.cardinalities)
     depth = cfg.cache_depth if cache_depth is None else cache_depth
     sharder = model_lib.build_sharder(cfg, {}, tables)
     load_factors = None

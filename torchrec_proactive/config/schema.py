@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-ARCHS = ("dlrm", "dcnv2")
+ARCHS = ("dlrm", "dcnv2", "sequence")
 DATA_SOURCES = ("synthetic", "criteo")
 DATA_LAYOUTS = ("kaggle", "terabyte")
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "auto")
@@ -61,12 +61,15 @@ def _sizes(name: str, sizes: Sequence[int]) -> None:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """DLRM (dot interaction) or DCNv2 (low-rank cross net), TorchRec's reference models."""
+    """DLRM (dot interaction) or DCNv2 (low-rank cross net), TorchRec's reference models, or a
+    small sequence recommender (pooled Criteo features plus a synthetic user history)."""
 
     name: str = "debug"
     """Label of the variant."""
     arch: str = "dlrm"
-    """``dlrm``: ``torchrec.models.dlrm.DLRM``; ``dcnv2``: ``DLRM_DCN`` as in MLPerf's DCNv2."""
+    """``dlrm``: ``torchrec.models.dlrm.DLRM``; ``dcnv2``: ``DLRM_DCN`` as in MLPerf's DCNv2;
+    ``sequence``: the pooled features beside a user history served by an ``EmbeddingCollection``
+    (``app/sequence.py``; the history from ``data/history.py``)."""
     embedding_dim: int = 16
     """Width of every embedding table (DLRM needs one width for its pairwise interaction)."""
     dense_arch_layer_sizes: List[int] = field(default_factory=lambda: [64, 16])
@@ -79,6 +82,12 @@ class ModelConfig:
     """``dcnv2`` only: rank of each cross layer's weight factorisation."""
     num_embeddings_per_feature: Optional[List[int]] = None
     """Rows per table; ``None`` takes the data set's cardinalities (what preprocessing saw)."""
+    history_length: int = 8
+    """``sequence`` only: most ids in a user history (lengths are uniform on 1..this)."""
+    history_rows: int = 10_000
+    """``sequence`` only: rows of the history table ``t_history`` (the item catalogue)."""
+    history_zipf_alpha: float = 1.1
+    """``sequence`` only: skew of history ids, Zipf(alpha) over the rows (larger = hotter head)."""
 
     def __post_init__(self) -> None:
         _choice("model.arch", self.arch, ARCHS)
@@ -99,6 +108,9 @@ class ModelConfig:
                       f"must have {NUM_SPARSE_FEATURES} entries (one per Criteo categorical feature)")
             if min(rows) < 1:
                 _fail("model.num_embeddings_per_feature", min(rows), "every table needs >= 1 row")
+        _at_least("model.history_length", self.history_length, 1)
+        _at_least("model.history_rows", self.history_rows, 2)
+        _positive("model.history_zipf_alpha", self.history_zipf_alpha)
 
 
 @dataclass(kw_only=True)
@@ -431,10 +443,26 @@ class Config:
         if self.tier.kind == "ssd" and self.sharding.kernel != "fused_uvm_caching":
             _fail("tier.kind", self.tier.kind, f"'ssd' needs sharding.kernel='fused_uvm_caching' (the proactive tables), "
                   f"got {self.sharding.kernel!r}")
+        if self.model.arch == "sequence":
+            self._check_sequence()
         if self.sharding.kernel == "fused" and self.prefetch.capacity_depth != 0:
             _fail("prefetch.mode", self.prefetch.mode,
                   "must be 'off' (or 'fixed' with depth 0) with sharding.kernel='fused' (stock tables have "
                   "nothing to prefetch)")
+
+    def _check_sequence(self) -> None:
+        """What ``model.arch='sequence'``'s history table (an ``EmbeddingCollection``) cannot
+        have yet: refused at composition, one line naming the keys."""
+        if self.tier.kind == "ssd":
+            _fail("tier.kind", self.tier.kind, "model.arch='sequence' keeps its history table (an EmbeddingCollection) "
+                  "in DRAM: the disk tier serves EmbeddingBagCollection tables only for now; use tier=dram")
+        if self.cache.budget_bytes:
+            _fail("cache.budget_bytes", self.cache.budget_bytes, "cache planning from profiles covers "
+                  "EmbeddingBagCollection tables only, not the history table of model.arch='sequence'; use "
+                  "cache.budget_bytes=0 (cache.load_factor for every table)")
+        if self.sharding.type == "table_row_wise":
+            _fail("sharding.type", self.sharding.type, "the history table of model.arch='sequence' (an "
+                  "EmbeddingCollection) shards table_wise, row_wise or column_wise (as stock TorchRec's), or auto")
 
     @property
     def cache_depth(self) -> int:
