@@ -35,12 +35,30 @@ def _refused(key: str) -> bool:
     return any(key.startswith(p) if p.endswith(".") else key == p for p in REFUSED)
 
 
+def _defaults() -> Dict[str, Any]:
+    """The schema's default of every flattened key."""
+    from dataclasses import asdict
+
+    from ..config.schema import Config
+
+    out: Dict[str, Any] = {}
+    for group, fields in asdict(Config()).items():
+        out.update({f"{group}.{k}": v for k, v in fields.items()})
+    return out
+
+
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Dict[str, Tuple[Any, Any]]:
     """``{key: (saved value, current value)}`` for every flattened key that differs (a key
-    one side lacks counts as a difference, its value shown as ``None``)."""
+    one side lacks counts as a difference, its value shown as ``None``) - except a key the
+    checkpoint predates (absent from its config) that holds its schema default now: a key
+    is added with the default that keeps what runs did before it (``model.history_length``
+    is no change to a DLRM checkpoint saved before it existed)."""
     out: Dict[str, Tuple[Any, Any]] = {}
+    defaults = _defaults()
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, _MISSING), current.get(key, _MISSING)
+        if a is _MISSING and key in defaults and b == defaults[key]:
+            continue
         if a != b:
             out[key] = (None if a is _MISSING else a, None if b is _MISSING else b)
     return out
