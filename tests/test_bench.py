@@ -128,3 +128,29 @@ def test_skewed_tables_differ_in_zipf_exponent():
     assert skewed == pytest.approx([1.5, 1.0, 0.5])
     with pytest.raises(ValueError, match="skew"):
         Workload(skew=1.0)
+
+
+def test_sequence_workload_adds_a_history_looked_up_per_id():
+    """``--model sequence``: the DLRM's pooled features plus a history of ``history_length``
+    ids per sample, looked up per id (an EmbeddingCollection) by the bench's model."""
+    import torch
+
+    from torchrec_proactive.bench.workload import HISTORY_FEATURE, Workload, bench_model
+
+    w = Workload(num_tables=2, rows_per_table=500, embedding_dim=8, batch_size=16, model="sequence",
+                 history_length=5, history_rows=300)
+    assert w.ids_per_step() == 16 * (2 + 5)
+    (batch,) = w.batches(1, rank=0)
+    kjt = batch.sparse_features
+    assert kjt.keys() == ["cat_0", "cat_1", HISTORY_FEATURE]
+    assert kjt.length_per_key() == [16, 16, 80]
+    history = kjt[HISTORY_FEATURE].values()
+    assert int(history.min()) >= 0 and int(history.max()) < 300
+    model = bench_model(w)
+    assert [c.name for c in model.ec.embedding_configs()] == ["t_history"]
+    loss, logits = model(batch)
+    loss.backward()
+    assert logits.shape == (16,) and model.ec.embeddings["t_history"].weight.grad is not None
+    assert Workload().ids_per_step() == 512 * 8  # (the DLRM: one id per feature)
+    with pytest.raises(ValueError, match="model must be one of"):
+        Workload(model="hstu")

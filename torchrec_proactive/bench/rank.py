@@ -25,16 +25,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from ..app.autodepth import choose_depth
 from ..fetch import LinkModel
 from ..integration.pipeline import ProactiveTrainPipeline
-from ..integration.sharder import ProactiveEmbeddingBagCollectionSharder
+from ..integration.sharded_module import ProactiveShardedModule
+from ..integration.sharder import ProactiveEmbeddingBagCollectionSharder, ProactiveEmbeddingCollectionSharder
 from ..planning import build_plan, combined_optimizer, shard_model
 from ..store import CacheCapacityError
-from .workload import DLRMTrainModel, Workload
+from .workload import Workload, bench_model
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def _fused() -> Dict[str, Any]:
 
 def _build(settings: BenchSettings, sharder: Any, kernel: str, init_state: Dict[str, Any]):
     torch.manual_seed(0)
-    model = DLRMTrainModel(settings.workload)
+    model = bench_model(settings.workload)
     plan = build_plan(model, sharder, settings.sharding, kernel=kernel)
     dmp = shard_model(model, sharder, plan, torch.device("cpu"))
     dmp.load_state_dict(copy.deepcopy(init_state))
@@ -162,6 +164,7 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
         "step_ms_median": 1e3 * median,
         "step_ms_p90": 1e3 * s[min(n - 1, int(round(0.9 * (n - 1))))],
         "samples_per_s": world_size * settings.workload.batch_size / median,
+        "ids_per_step": world_size * settings.workload.ids_per_step(),
         "stall_ms_per_step": 1e3 * stall,
         "rows_fetched_per_step": rows / n,
         # copied while the lookup waited (critical path): all of reactive's, none of a
@@ -188,8 +191,10 @@ def _summarize(name: str, settings: BenchSettings, runs: List[Measurement], worl
 def _measure_comm(settings: BenchSettings, world_size: int, dense_param_bytes: int, reps: int = 10) -> Dict[str, float]:
     """Times the collectives of one step at their real sizes (input ids, pooled output, dense grads)."""
     w = settings.workload
-    id_elems = max(1, w.batch_size * w.num_tables * w.ids_per_feature * 2)  # ids + lengths, int64
-    out_elems = max(1, w.batch_size * w.num_tables * w.embedding_dim)
+    id_elems = max(1, w.ids_per_step() * 2)  # ids + lengths, int64
+    # pooled rows, plus one row per history id (a sequence lookup's output is per id)
+    out_elems = max(1, (w.batch_size * w.num_tables + w.ids_per_step() - w.batch_size * w.num_tables * w.ids_per_feature)
+                    * w.embedding_dim)
     res: Dict[str, float] = {}
     for key, elems, dtype in (("input_a2a_s", id_elems, torch.int64), ("output_a2a_s", out_elems, torch.float32)):
         n = elems - elems % world_size
@@ -222,8 +227,9 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
     w = settings.workload
     batches = w.batches(settings.warmup_steps + settings.measure_steps, rank)
     torch.manual_seed(1234)
-    init_state = DLRMTrainModel(w).state_dict()
-    dense_bytes = sum(p.numel() * 4 for n, p in DLRMTrainModel(w).named_parameters() if "embedding_bags" not in n)
+    init_state = bench_model(w).state_dict()
+    dense_bytes = sum(p.numel() * 4 for n, p in bench_model(w).named_parameters()
+                      if "embedding_bags" not in n and "embeddings." not in n)
     results: Dict[str, Dict[str, Any]] = {}
     traces: Dict[str, List[Dict[str, Any]]] = {}
     bookkeeping: Dict[str, float] = {}  # store bookkeeping bytes / host-tier bytes, per config
@@ -243,11 +249,12 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
         else:
             pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=depth,
                                           trace=settings.trace and name not in traces)
-        ebc = dmp.module.model.sparse_arch.embedding_bag_collection
         m = _train(pipe, batches, settings.warmup_steps)
         if depth is not None:
-            ebc.check_invariants(expect_drained=True)
-            stores = list(ebc.named_tables().values())
+            modules = [mod for mod in dmp.modules() if isinstance(mod, ProactiveShardedModule)]
+            for module in modules:
+                module.check_invariants(expect_drained=True)
+            stores = [t for module in modules for t in module.named_tables().values()]
             host = sum(t.host_tier_bytes() for t in stores)
             bookkeeping[name] = sum(t.bookkeeping_bytes() for t in stores) / host if host else 0.0
             if pipe.tracer.enabled:
@@ -256,12 +263,17 @@ def bench_rank(rank: int, world_size: int, settings: BenchSettings,
             progress("end", name, round_index)
         return m
 
-    def proactive(link: Optional[LinkModel], load_factor: Optional[float] = None) -> ProactiveEmbeddingBagCollectionSharder:
-        return ProactiveEmbeddingBagCollectionSharder(
-            fused_params=_fused(), cache_load_factor=load_factor or settings.cache_load_factor, link=link
-        )
+    sequence = w.model == "sequence"  # (then one sharder per collection type)
 
-    resident_sharder = lambda: EmbeddingBagCollectionSharder(fused_params=_fused())  # noqa: E731
+    def proactive(link: Optional[LinkModel], load_factor: Optional[float] = None) -> Any:
+        options = dict(fused_params=_fused(), cache_load_factor=load_factor or settings.cache_load_factor, link=link)
+        pooled = ProactiveEmbeddingBagCollectionSharder(**options)
+        return [ProactiveEmbeddingCollectionSharder(**options), pooled] if sequence else pooled
+
+    def resident_sharder() -> Any:
+        pooled = EmbeddingBagCollectionSharder(fused_params=_fused())
+        return [EmbeddingCollectionSharder(fused_params=_fused()), pooled] if sequence else pooled
+
     bandwidth = settings.link_bandwidth_gbps
     if bandwidth is None:
         # Calibrate the emulated link: cold fetches cost `target_fetch_fraction` of a

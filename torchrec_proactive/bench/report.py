@@ -67,6 +67,7 @@ def summarize(rank0: Dict[str, Any], world_size: int) -> Dict[str, Any]:
         "stall_reduction": (1.0 - best["stall_ms_per_step"] / reactive["stall_ms_per_step"])
         if best and reactive["stall_ms_per_step"] > 0 else None,
         "reactive_stall_share_of_step": reactive["stall_ms_per_step"] / reactive["step_ms_median"],
+        "ids_per_step": reactive.get("ids_per_step"),
         "link": rank0["link"],
         "comm_s": rank0["comm"],
         "configs": list(res.values()),
@@ -97,9 +98,12 @@ def _workload_lines(report: Dict[str, Any]) -> List[str]:
     if not settings:
         return []
     w = settings["workload"]
+    history = (f" + a history of {w['history_length']} ids per sample over {w['history_rows']} items (sequence model)"
+               if w.get("model") == "sequence" else "")
+    ids = f", {report['ids_per_step']} ids per step" if report.get("ids_per_step") else ""
     lines = [
-        f"workload: {w['num_tables']} tables x {w['rows_per_table']} rows x {w['embedding_dim']}, batch "
-        f"{w['batch_size']} per rank, {report['world_size']} {report['backend']} rank(s), "
+        f"workload: {w['num_tables']} tables x {w['rows_per_table']} rows x {w['embedding_dim']}{history}, batch "
+        f"{w['batch_size']} per rank{ids}, {report['world_size']} {report['backend']} rank(s), "
         f"cache load factor {settings['cache_load_factor']:g}; {settings['measure_steps']} timed steps x {settings['rounds']} "
         f"round(s) per configuration"
     ]

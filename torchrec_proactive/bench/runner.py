@@ -61,7 +61,8 @@ def _settings(args: argparse.Namespace) -> Any:
     from .workload import Workload
 
     workload = Workload(num_tables=args.tables, rows_per_table=args.rows, embedding_dim=args.dim,
-                        batch_size=args.batch_size, zipf_alpha=args.zipf_alpha, skew=args.skew)
+                        batch_size=args.batch_size, zipf_alpha=args.zipf_alpha, skew=args.skew, model=args.model,
+                        history_length=args.history_length, history_rows=args.history_rows)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else DEFAULT_ROUNDS)
     s = BenchSettings(
         workload=workload, sharding=args.sharding, cache_load_factor=args.cache_load_factor,
@@ -73,6 +74,7 @@ def _settings(args: argparse.Namespace) -> Any:
     if args.quick:
         s = replace(s, workload=replace(workload, num_tables=min(workload.num_tables, 4),
                                         rows_per_table=min(workload.rows_per_table, 20_000),
+                                        history_rows=min(workload.history_rows, 40_000),
                                         batch_size=min(workload.batch_size, 256)),
                     warmup_steps=min(s.warmup_steps, 4), measure_steps=min(s.measure_steps, 10), depths=(1, 2, 4))
     return s
@@ -233,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--world-size", type=int_at_least(1), default=2, metavar="N", help="local gloo ranks")
     w.add_argument("--sharding", choices=SHARDINGS, default="table_wise", metavar="TYPE",
                    help=f"sharding type of every table, one of {', '.join(SHARDINGS)}")
+    w.add_argument("--model", choices=("dlrm", "sequence"), default="dlrm",
+                   help="dlrm: DLRM over --tables pooled tables; sequence: the same pooled tables beside a user "
+                        "history of --history-length ids per sample over --history-rows items, looked up per id "
+                        "(an EmbeddingCollection, ProactiveEmbeddingCollectionSharder)")
+    w.add_argument("--history-length", type=int_at_least(1), default=32, metavar="L",
+                   help="--model sequence: history ids per sample (Zipf-skewed with --zipf-alpha)")
+    w.add_argument("--history-rows", type=int_at_least(1), default=400_000, metavar="N",
+                   help="--model sequence: rows of the history (item) table")
     w.add_argument("--tables", type=int_at_least(1), default=8, metavar="N", help="embedding tables")
     w.add_argument("--rows", type=int_at_least(1), default=100_000, metavar="N", help="rows per table (at most)")
     w.add_argument("--dim", type=checked("a multiple of 4 >= 4 (FBGEMM)", lambda v: v >= 4 and v % 4 == 0, int),

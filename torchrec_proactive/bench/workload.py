@@ -1,4 +1,6 @@
-"""The benchmark's model and data: a DLRM over Criteo-like tables with Zipf-skewed ids.
+"""The benchmark's model and data: a DLRM over Criteo-like tables with Zipf-skewed ids, or
+(``model="sequence"``) a sequence recommender: the same pooled tables beside a user history,
+looked up per id from an ``EmbeddingCollection``.
 
 Every configuration of a bench run trains this same model, from the same initial weights,
 on the same batches, so their step times can be divided.
@@ -12,13 +14,15 @@ from typing import List
 import numpy as np
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import DLRM
 
 from ..data.criteo_synth import KAGGLE_CARDINALITIES, sample_zipf_ranks
 
 NUM_DENSE = 13
+MODELS = ("dlrm", "sequence")
+HISTORY_FEATURE = "history"
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,19 @@ class Workload:
     #: steps behind it, which a model of the mean copy does not see)
     burst_every: int = 0
     burst_share: float = 1.0
+    #: ``"dlrm"``, or ``"sequence"``: a user history of ``history_length`` item ids per
+    #: sample (every sample's full history, as a recommender trained on its last N events
+    #: sees it), Zipf(``zipf_alpha``) over ``history_rows`` items, looked up per id
+    model: str = "dlrm"
+    history_length: int = 32
+    history_rows: int = 400_000
 
     def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.model == "sequence" and (self.history_length < 1 or self.history_rows < 1):
+            raise ValueError(f"history_length and history_rows must be >= 1, got {self.history_length}, "
+                             f"{self.history_rows}")
         for name in ("num_tables", "rows_per_table", "embedding_dim", "batch_size", "ids_per_feature"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -71,6 +86,18 @@ class Workload:
             for i, n in enumerate(self.cardinalities())
         ]
 
+    def sequence_tables(self) -> List[EmbeddingConfig]:
+        """The history table (``model="sequence"``; none otherwise)."""
+        if self.model != "sequence":
+            return []
+        return [EmbeddingConfig(name="t_history", embedding_dim=self.embedding_dim, num_embeddings=self.history_rows,
+                                feature_names=[HISTORY_FEATURE])]
+
+    def ids_per_step(self) -> int:
+        """Ids one rank's batch looks up: pooled ids plus history ids."""
+        history = self.history_length if self.model == "sequence" else 0
+        return self.batch_size * (self.num_tables * self.ids_per_feature + history)
+
     def batches(self, num: int, rank: int) -> List[Batch]:
         rng = np.random.default_rng([self.seed, rank])
         out = []
@@ -83,10 +110,15 @@ class Workload:
                 cold = int(round(self.burst_share * n))
                 for v, c in zip(values, cards):
                     v[:cold] = torch.from_numpy(rng.integers(0, c, size=cold))
+            keys = [f"cat_{i}" for i in range(len(cards))]
             lengths = torch.full((len(cards) * self.batch_size,), self.ids_per_feature, dtype=torch.int64)
-            kjt = KeyedJaggedTensor.from_lengths_sync(
-                keys=[f"cat_{i}" for i in range(len(cards))], values=torch.cat(values), lengths=lengths
-            )
+            if self.model == "sequence":
+                n = self.batch_size * self.history_length
+                values.append(torch.from_numpy(sample_zipf_ranks(rng, self.history_rows, self.zipf_alpha, n)
+                                               .astype(np.int64)))
+                keys.append(HISTORY_FEATURE)
+                lengths = torch.cat([lengths, torch.full((self.batch_size,), self.history_length, dtype=torch.int64)])
+            kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=lengths)
             dense = torch.from_numpy(rng.standard_normal((self.batch_size, NUM_DENSE)).astype(np.float32))
             labels = torch.from_numpy((rng.random(self.batch_size) < 0.25).astype(np.float32))
             out.append(Batch(dense_features=dense, sparse_features=kjt, labels=labels))
@@ -107,3 +139,36 @@ class DLRMTrainModel(nn.Module):
     def forward(self, batch: Batch):
         logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
         return self.loss_fn(logits, batch.labels), logits.detach()
+
+
+class SequenceTrainModel(nn.Module):
+    """A sequence recommender: each sample's history rows (an ``EmbeddingCollection``),
+    weighed by a learned weight per position and summed, beside DLRM's pooled features and
+    dense arch, into an MLP. ``forward(Batch) -> (loss, logits)``."""
+
+    def __init__(self, workload: Workload) -> None:
+        super().__init__()
+        d, cpu = workload.embedding_dim, torch.device("cpu")
+        self.history_length = workload.history_length
+        self.ebc = EmbeddingBagCollection(tables=workload.tables(), device=cpu)
+        self.ec = EmbeddingCollection(tables=workload.sequence_tables(), device=cpu)
+        self.features = [f"cat_{i}" for i in range(workload.num_tables)]
+        self.positions = nn.Parameter(torch.full((workload.history_length, 1), 1.0 / workload.history_length))
+        self.dense = nn.Sequential(nn.Linear(NUM_DENSE, 128), nn.ReLU(), nn.Linear(128, d), nn.ReLU())
+        self.over = nn.Sequential(nn.Linear(d * (workload.num_tables + 2), 256), nn.ReLU(), nn.Linear(256, 128),
+                                  nn.ReLU(), nn.Linear(128, 1))
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch: Batch):
+        kjt = batch.sparse_features
+        pooled = self.ebc(kjt).to_dict()
+        history = self.ec(kjt)[HISTORY_FEATURE].to_padded_dense(desired_length=self.history_length)
+        summary = (history * self.positions).sum(dim=1)  # [B, d]
+        x = torch.cat([self.dense(batch.dense_features), summary] + [pooled[f] for f in self.features], dim=1)
+        logits = self.over(x).squeeze(-1)
+        return self.loss_fn(logits, batch.labels), logits.detach()
+
+
+def bench_model(workload: Workload) -> nn.Module:
+    """The workload's model: :class:`DLRMTrainModel` or :class:`SequenceTrainModel`."""
+    return SequenceTrainModel(workload) if workload.model == "sequence" else DLRMTrainModel(workload)
