@@ -160,6 +160,15 @@ def test_tier_ssd_with_the_sequence_model_exits_2_in_one_line(tmp_path: Path, ho
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
+def test_profile_cache_of_the_sequence_model_exits_2_in_one_line(tmp_path: Path):
+    from tests.test_cli import assert_user_error, cli
+
+    run = cli("profile-cache", "experiment=ci_tiny", "model=sequence", "sharding=auto",
+              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'run'}", timeout=120)
+    assert_user_error(run, "model.arch='sequence' is invalid for profile-cache", "cache.load_factor")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()  # refused before anything is written
+
+
 def test_the_history_cache_holds_the_batches_ids():
     from torchrec_proactive.app.compose import compose_config
     from torchrec_proactive.app.model import cache_slots, model_tables

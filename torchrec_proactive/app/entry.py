@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .compose import compose_config
 from .config_words import capacity_error, host_cache_error, in_config_words
 from ..quiet import quiet_third_party
-from .errors import UserError
+from .errors import ConfigError, UserError
 
 MODES = ("train", "compare", "profile-cache")
 
@@ -155,6 +155,16 @@ def launch(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir: Opti
                      mode=mode, overrides=list(overrides), config_dir=config_dir)
 
 
+def refuse_mode(mode: str, cfg: Any) -> None:
+    """Raises :class:`ConfigError` (one line) for a mode this config's model cannot run:
+    ``profile-cache`` profiles pooled (``EmbeddingBagCollection``) tables only, so not the
+    history table of ``model.arch='sequence'`` (whose ``cache.budget_bytes`` the schema refuses)."""
+    if mode == "profile-cache" and cfg.model.arch == "sequence":
+        raise ConfigError("model.arch='sequence' is invalid for profile-cache: cache profiles cover "
+                          "EmbeddingBagCollection tables only, not its history table; profile a DLRM model "
+                          "(model=debug, dlrm_kaggle, dcnv2_terabyte) or size the caches with cache.load_factor")
+
+
 def run_command(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir: Optional[str] = None,
                 cfg: Any = None) -> List[Any]:
     """What the entry points (``torchrec-proactive train``/``compare``, the example script)
@@ -169,6 +179,7 @@ def run_command(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir:
     from .rundir import check_run_dir
 
     cfg = compose_config(overrides, config_dir) if cfg is None else cfg  # fail fast, before any rank
+    refuse_mode(mode, cfg)
     quiet_third_party()
     if not under_torchrun():  # under torchrun each rank checks (collectively) in build_run
         check_run_dir(cfg)

@@ -203,7 +203,7 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
 
     Raises :class:`~torchrec_proactive.app.errors.UserError` for a config mistake in any
     job, before anything runs."""
-    from .entry import run_command, under_torchrun
+    from .entry import refuse_mode, run_command, under_torchrun
 
     from ..config.schema import register
 
@@ -234,6 +234,8 @@ def run_app(mode: str, hydra_argv: Sequence[str], nproc: int, report: Report) ->
         cfgs = []
         for job in jobs:
             cfg = compose_config(job, args.config_dir)  # ConfigError: one line, exit code 2
+            if not args.cfg:  # (before Hydra writes its record into the run directory)
+                refuse_mode(mode, cfg)
             cfgs.append(cfg)
             if any(o.lstrip("+").startswith("train.output_dir=") for o in job):
                 fixed_dirs.append(cfg.train.output_dir)
