@@ -317,3 +317,78 @@ def per_table_stats(rank: int, world_size: int) -> Dict[str, Any]:
     _run(pipe, [make_batch(tables, 16, seed=10 + i) for i in range(3)])
     after = {"total": pipe.stats(), "tables": pipe.stats(per_table=True)}
     return {"before": before, "reset": reset, "after": after}
+
+
+@torch.fx.wrap
+def _clip_dense(dense: torch.Tensor) -> torch.Tensor:
+    # data-dependent Python (a host read): FX cannot trace it, but a wrapped function is one call
+    return dense.clamp(-1e6, 1e6) if float(dense.abs().max()) > 1e6 else dense
+
+
+class _DataDependentModel(SparseModel):
+    """A forward with data-dependent Python on a tensor: ``wrapped`` puts it in a function
+    decorated with ``torch.fx.wrap``, as the pipeline's error advises."""
+
+    def __init__(self, tables, wrapped: bool) -> None:
+        super().__init__(tables)
+        self.wrapped = wrapped
+
+    def forward(self, batch):
+        dense = batch.dense_features
+        if self.wrapped:
+            dense = _clip_dense(dense)
+        elif float(dense.abs().max()) > 1e6:
+            dense = dense.clamp(-1e6, 1e6)
+        pooled = self.ebc(batch.sparse_features).to_dict()
+        x = torch.cat([pooled[f] for f in self.feature_names] + [dense], dim=1)
+        logits = self.over(x).squeeze(-1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+
+def untraceable_forward(rank: int, world_size: int, wrapped: bool) -> Dict[str, Any]:
+    """A model whose forward FX cannot trace: the pipeline's error says why and what to do;
+    the same model with the data-dependent part in a ``torch.fx.wrap`` function trains."""
+    tables = make_tables(2, rows=200, dim=8)
+    model = _DataDependentModel(tables, wrapped)
+    sharder = ProactiveEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD,
+                                                                   "learning_rate": LR}, cache_load_factor=0.2)
+    dmp = shard_model(model, sharder, build_plan(model, sharder, "table_wise"), torch.device("cpu"))
+    opt = combined_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=LR))
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    try:
+        out = _run(pipe, [make_batch(tables, 8, seed=i) for i in range(4)])
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return {"error": type(e).__name__, "message": str(e), "cause": type(e.__cause__).__name__}
+    return {"steps": len(out), "lead": pipe.stats()["prefetch_lead_lookups"]}
+
+
+class _ReorderedInputModel(SparseModel):
+    """Hands its EBC a KJT made in forward (its keys reordered), not the batch's own: TorchRec's
+    pipeline cannot start that input's all-to-all ahead, so it leaves the module unpipelined."""
+
+    def forward(self, batch):
+        reordered = batch.sparse_features.permute([1, 0])  # (two features)
+        pooled = self.ebc(reordered).to_dict()
+        x = torch.cat([pooled[f] for f in self.feature_names] + [batch.dense_features], dim=1)
+        logits = self.over(x).squeeze(-1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+
+def unpipelined_module(rank: int, world_size: int) -> Dict[str, Any]:
+    """A proactive module TorchRec's pipeline leaves unpipelined trains, fetching at lookup;
+    returns the warnings the pipeline gave and its counters."""
+    import warnings
+
+    tables = make_tables(2, rows=200, dim=8)
+    model = _ReorderedInputModel(tables)
+    sharder = ProactiveEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD,
+                                                                   "learning_rate": LR}, cache_load_factor=0.2)
+    dmp = shard_model(model, sharder, build_plan(model, sharder, "table_wise"), torch.device("cpu"))
+    opt = combined_optimizer(dmp, lambda p: torch.optim.SGD(p, lr=LR))
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _run(pipe, [make_batch(tables, 8, seed=i) for i in range(4)])
+    ebc = dmp.module.ebc
+    return {"steps": len(out), "warnings": [str(w.message) for w in caught if "pipelined" in str(w.message)],
+            "lookups": ebc.proactive_stats.batches, "lead": ebc.proactive_stats.prefetch_lead_lookups}

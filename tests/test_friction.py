@@ -260,3 +260,35 @@ def test_no_proactive_table_advice_is_in_config_words() -> None:
         Sharder.announce(plan)
     text = in_config_words(str(seen[0].message), cfg)
     assert text.endswith("plan the tables to tier with sharding.kernel=fused_uvm_caching (now fused)"), text
+
+
+def test_a_forward_fx_cannot_trace_is_named_with_the_fix() -> None:
+    """ProactiveTrainPipeline, like TorchRec's, finds the sharded modules by FX-tracing the
+    forward: a forward it cannot trace gets one error naming that and the fix (stock: a bare
+    ``TypeError`` about a ``Proxy``), and the fix trains with prefetching."""
+    from torchrec_proactive.launch import run_ranks
+
+    from . import pipeline_worker
+
+    (bad,) = run_ranks(pipeline_worker.untraceable_forward, world_size=1, wrapped=False)
+    assert bad["error"] == "ModelNotTraceableError", bad
+    for words in ("FX-trac", "_DataDependentModel.forward", "torch.fx.wrap", "Proxy"):
+        assert words in bad["message"], (words, bad["message"])
+    (good,) = run_ranks(pipeline_worker.untraceable_forward, world_size=1, wrapped=True)
+    assert good["steps"] == 4 and good["lead"] > 0, good
+
+
+def test_a_proactive_module_the_pipeline_leaves_unpipelined_is_named() -> None:
+    """TorchRec's pipeline pipelines only modules whose KJT comes straight from the batch; a
+    proactive module it leaves out trains exactly but fetches at its lookup (reactive): the
+    pipeline says so once, naming the module and why, instead of running reactive silently."""
+    from torchrec_proactive.launch import run_ranks
+
+    from . import pipeline_worker
+
+    (res,) = run_ranks(pipeline_worker.unpipelined_module, world_size=1)
+    assert res["steps"] == 4 and res["lookups"] == 4 and res["lead"] == 0, res
+    assert len(res["warnings"]) == 1, res["warnings"]
+    text = res["warnings"][0]
+    for words in ("'ebc'", "not pipelined", "at its lookup", "prefetch_depth=2", "batch.sparse_features"):
+        assert words in text, (words, text)

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
+import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -50,6 +52,22 @@ from ..store import IdOutOfRangeError, InvalidInputError, StoreStateError
 from ..store.async_count import AsyncCount
 from .sharded_module import ProactiveShardedModule
 from .tracing import PipelineTracer
+
+
+class ModelNotTraceableError(RuntimeError):
+    """The model's forward cannot be FX-traced, which TorchRec's pipelines (and this one)
+    need to find the sharded modules to pipeline; the message says why and what to change."""
+
+
+def _raised_in_fx(error: BaseException) -> bool:
+    """Whether ``error`` was raised while FX traced a forward (a frame of ``torch.fx``)."""
+    fx_dir = os.path.dirname(torch.fx.__file__)
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(fx_dir):
+            return True
+        tb = tb.tb_next
+    return isinstance(error, torch.fx.proxy.TraceError)
 
 
 class ProactiveTrainPipeline(TrainPipelineSparseDist):
@@ -127,6 +145,7 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         self._prefetched: set = set()
         self._staged: set = set()
         self._consistency_checked = False
+        self._warned_unpipelined = False
         self._failure: Optional[BaseException] = None
         self._dense_nonfinite: Optional[AsyncCount] = None  # GPU batches: see enqueue_batch
         # Marks this pipeline's batches in the modules, so that pipelines taking turns on one
@@ -181,9 +200,29 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         for module in self._proactive_modules:
             module.set_prefetch_depth(self.prefetch_depth)
             module.proactive_stats.keep_records = module.proactive_stats.keep_records or self.tracer.enabled
+        if self.prefetch_depth > 0 and not self._warned_unpipelined:
+            self._warn_unpipelined()
         if not self._consistency_checked:
             self._check_consistent_across_ranks()
             self._consistency_checked = True
+
+    def _warn_unpipelined(self) -> None:
+        """Says, once, which proactive modules TorchRec's pipeline left out (their KJT is not
+        taken straight from the batch): they train exactly, but fetch at their lookup."""
+        self._warned_unpipelined = True
+        pipelined = {id(m) for m in self._proactive_modules}
+        root = self._model.module if isinstance(self._model, DistributedModelParallel) else self._model
+        left = [name or type(m).__name__ for name, m in root.named_modules()
+                if isinstance(m, ProactiveShardedModule) and id(m) not in pipelined]
+        if left:
+            warnings.warn(
+                f"torchrec-proactive: module(s) {', '.join(repr(n) for n in left)} are not pipelined: TorchRec's "
+                f"pipeline starts a module's input all-to-all ahead only when its KJT comes straight from the batch "
+                f"(e.g. self.ebc(batch.sparse_features)), and this forward hands them one it made or changed. They "
+                f"train exactly, but fetch their rows at its lookup (reactive), whatever prefetch_depth="
+                f"{self.prefetch_depth} says; pass the batch's KJT unchanged to prefetch them",
+                stacklevel=4,
+            )
 
     def _check_consistent_across_ranks(self) -> None:
         """Every rank must run the same depth on the same set of proactive modules: the
@@ -285,7 +324,20 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
             return
         t0 = time.perf_counter()
         with _naming_batch(self.contexts[0].index):  # (this starts batch 0's input all-to-all)
-            self._init_pipelined_modules(self.batches[0], self.contexts[0], self._pipelined_forward_type)
+            try:
+                self._init_pipelined_modules(self.batches[0], self.contexts[0], self._pipelined_forward_type)
+            except Exception as e:
+                if not _raised_in_fx(e):
+                    raise
+                root = self._model.module if isinstance(self._model, DistributedModelParallel) else self._model
+                raise ModelNotTraceableError(
+                    f"ProactiveTrainPipeline, like TorchRec's TrainPipelineSparseDist, finds the sharded embedding "
+                    f"modules to pipeline by FX-tracing the model's forward, and tracing "
+                    f"{type(root).__name__}.forward failed: {type(e).__name__}: {e}. Python that reads a tensor's "
+                    f"values (if/while on a tensor, float(), int(), .item(), .tolist()) cannot be traced: move it "
+                    f"into a function decorated with @torch.fx.wrap (traced as one call) or out of forward. The "
+                    f"sharded modules' inputs must come from the batch (e.g. self.ebc(batch.sparse_features))"
+                ) from e
         self._configure_modules()
         self.tracer.open("data_dist", self.contexts[0].index, t0)
         self.wait_sparse_data_dist(self.contexts[0])
