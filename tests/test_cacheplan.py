@@ -542,3 +542,33 @@ def test_the_documented_python_path_runs() -> None:
         assert curves[name].min_load_factor <= c.cache_params.load_factor <= 1.0, (name, c.cache_params)
         # the sharder sizes each cache in slots, never below the floor
         assert curves[name].pinned_rows <= scope["sharder"].options.num_slots[name] == scope["plan"].slots[name]
+
+
+def test_sequence_tables_get_curves_and_planned_caches_beside_pooled_ones() -> None:
+    """An EmbeddingCollection's tables are profiled (one curve per table, from its features'
+    ids: a history's many ids a sample) and sized by TorchRec's planner with the EC sharder,
+    beside the EBC's tables: the busier history table gets the larger cache."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+    from torch import nn
+
+    from torchrec_proactive import ProactiveEmbeddingBagCollectionSharder, ProactiveEmbeddingCollectionSharder
+    from torchrec_proactive.cacheplan.planner import plan_cache_sizes
+    from torchrec_proactive.cacheplan.profile import profile_batches
+    from tests.sequence_model import make_sequence_batch
+
+    meta = torch.device("meta")
+    seq = [EmbeddingConfig(name="history", embedding_dim=16, num_embeddings=20000, feature_names=["h"])]
+    pooled = [EmbeddingBagConfig(name="user", embedding_dim=16, num_embeddings=20000, feature_names=["u"])]
+    model = nn.Module()
+    model.ec, model.ebc = EmbeddingCollection(tables=seq, device=meta), EmbeddingBagCollection(tables=pooled, device=meta)
+    # histories of 0..24 ids a sample (mean 12) against 1..3 pooled ids: far more reuse to cache
+    kjts = [make_sequence_batch(seq, pooled, 256, seed=i, max_history=24, zipf=1.0).sparse_features for i in range(40)]
+    curves = profile_batches(kjts, seq + pooled, depth=1, warmup=5)
+    assert sorted(curves) == ["history", "user"]
+    assert curves["history"].expected_lookups > 4 * curves["user"].expected_lookups
+    plan = plan_cache_sizes(model, [ProactiveEmbeddingCollectionSharder(), ProactiveEmbeddingBagCollectionSharder()],
+                            curves, budget_bytes=1_000_000, prefetch_depth=1, world_size=1, batch_size=256)
+    lf = plan.load_factors
+    assert sorted(lf) == ["history", "user"]
+    assert all(plan.slots[t] >= curves[t].pinned_rows for t in lf)  # never below a floor
+    assert lf["history"] > lf["user"], lf

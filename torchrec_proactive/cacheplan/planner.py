@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -58,7 +57,7 @@ from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingPlan
 
 from ..model.step_model import StageCosts, step_s
 from ..integration.options import ProactiveOptions
-from ..planning import find_ebcs, planner_warnings
+from ..planning import Sharders, as_sharders, find_collections, planner_warnings, table_configs
 from .curve import MissRatioCurve
 from .proposer import MissCurveProposer
 
@@ -188,18 +187,25 @@ def _floor_load_factor(curve: MissRatioCurve) -> float:
     return min(max(curve.min_load_factor, 1.0 / curve.num_rows), MAX_PLANNED_LOAD_FACTOR)
 
 
-def _planner_parts(model: nn.Module, sharder: EmbeddingBagCollectionSharder, curves: Mapping[str, MissRatioCurve],
+def _planner_parts(model: nn.Module, sharder: Sharders, curves: Mapping[str, MissRatioCurve],
                    budget_bytes: int, prefetch_depth: int, world_size: int, local_size: int, device_type: str,
                    batch_size: Optional[int], sharding_types: Optional[Sequence[str]]):
-    types = [t for t in sharder.sharding_types(device_type) if _CACHED in sharder.compute_kernels(t, device_type)
-             and (sharding_types is None or t in sharding_types)]
-    if not types:
+    # Per table, the sharding types its collection's sharder offers for the cached kernel
+    # (sequence tables: no table-row-wise).
+    types_of: Dict[str, List[str]] = {}
+    for module, s in find_collections(model, sharder).values():
+        offered = [t for t in s.sharding_types(device_type) if _CACHED in s.compute_kernels(t, device_type)
+                   and (sharding_types is None or t in sharding_types)]
+        for cfg in table_configs(module):
+            types_of[cfg.name] = offered
+    types = sorted({t for name in curves for t in types_of.get(name, [])})
+    if not types or any(not types_of.get(name) for name in curves):
         raise ValueError(f"sharding_types={list(sharding_types or [])} leaves no sharding type the sharder offers "
                          f"for {_CACHED} on {device_type}")
     constraints: Dict[str, ParameterConstraints] = {}
     for name, curve in curves.items():
         constraints[name] = ParameterConstraints(
-            sharding_types=types, compute_kernels=[_CACHED],
+            sharding_types=types_of[name], compute_kernels=[_CACHED],
             cache_params=CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=_floor_load_factor(curve), stats=curve))
     topology = TopologyFactory.create_topology(
         TrainerConfig(world_size=world_size, local_world_size=local_size, hbm_cap_bytes=int(budget_bytes)),
@@ -212,12 +218,12 @@ def _planner_parts(model: nn.Module, sharder: EmbeddingBagCollectionSharder, cur
     return types, constraints, topology, enumerator
 
 
-def _floor_proposal(model: nn.Module, sharder: EmbeddingBagCollectionSharder, curves: Mapping[str, MissRatioCurve],
+def _floor_proposal(model: nn.Module, sharder: Sharders, curves: Mapping[str, MissRatioCurve],
                     enumerator: EmbeddingEnumerator, types: Sequence[str]) -> List[ShardingOption]:
     """Every table's cache at its floor, as TorchRec's ``UniformProposer`` proposes it: the
     table-wise option of each (when the planner may shard table-wise; else each table's
     option of least device bytes), with TorchRec's storage estimates."""
-    options = enumerator.enumerate(model, [sharder])  # type: ignore[list-item]
+    options = enumerator.enumerate(model, as_sharders(sharder))  # type: ignore[arg-type]
     out: List[ShardingOption] = []
     for name in curves:
         mine = [o for o in options if o.name == name and o.compute_kernel == _CACHED]
@@ -283,7 +289,7 @@ def budget_refusal(budget_bytes: object, minimum: int, floors: Mapping[str, int]
 
 def plan_cache_sizes(
     model: nn.Module,
-    sharder: EmbeddingBagCollectionSharder,
+    sharder: Sharders,
     curves: Mapping[str, MissRatioCurve],
     budget_bytes: Optional[int],
     prefetch_depth: int,
@@ -319,7 +325,7 @@ def plan_cache_sizes(
         budget_bytes, reserve = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, 0.15
     if budget_bytes < 1:
         raise ValueError(f"cache.budget_bytes must be >= 1, got {budget_bytes!r}")
-    configs = {c.name: c for ebc in find_ebcs(model).values() for c in ebc.embedding_bag_configs()}
+    configs = {c.name: c for module, _ in find_collections(model, sharder).values() for c in table_configs(module)}
     unknown = sorted(set(curves) - set(configs))
     if unknown:
         raise ValueError(f"cache profile names tables {unknown} that the model does not have (it has {sorted(configs)})")
@@ -349,8 +355,8 @@ def plan_cache_sizes(
     )
     try:
         with planner_warnings():
-            plan = (planner.collective_plan(model, [sharder], pg) if pg is not None
-                    else planner.plan(model, [sharder]))
+            plan = (planner.collective_plan(model, as_sharders(sharder), pg) if pg is not None
+                    else planner.plan(model, as_sharders(sharder)))
     except PlannerError as e:  # (the minimum has a placement; a larger budget is not expected to have none)
         raise CacheBudgetError(
             f"cache.budget_bytes={shown_budget}: TorchRec's planner found no placement of the caches at their floors "
