@@ -17,8 +17,10 @@ for each group's file; the store does the rest (``TieredTable.on_disk``).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,8 @@ from typing import Any, Mapping, Optional
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
 from ..store.row_file import DiskTierError
+
+_LOG = logging.getLogger(__name__)
 
 KEY_VALUE = EmbeddingComputeKernel.KEY_VALUE.value
 #: A group's host cache when neither ``l2_cache_size`` nor ``host_cache_bytes`` gives one
@@ -94,12 +98,21 @@ def group_host_cache_bytes(specs: Mapping[str, DiskTierSpec]) -> int:
 class ScratchDirectory:
     """A fresh directory for one group's file under the plan's directory, removed at
     :meth:`remove` (idempotent). Creating it is where a missing or unwritable directory is
-    found: one line naming the table and the path."""
+    found: one line naming the table and the path.
+
+    It names its owner (host and process id) in :attr:`OWNER_FILE`, so that the directories
+    of ranks killed before they could remove theirs (SIGKILL, a lost node) are removed by
+    the next process that makes one under the same parent on the same host; directories of
+    live processes, of other hosts (a shared filesystem) and without an owner are left."""
+
+    OWNER_FILE = ".torchrec-proactive-owner"
 
     def __init__(self, parent: Path, tables: str, rank: int) -> None:
         try:
             parent.mkdir(parents=True, exist_ok=True)
+            _remove_orphans(parent)
             self.path = Path(tempfile.mkdtemp(prefix=f"rank{rank}-", dir=parent))
+            (self.path / self.OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         except OSError as e:
             raise DiskTierError(f"table '{tables}': cannot create its rows' directory under {parent}: "
                                 f"{e.strerror or e}") from None
@@ -109,3 +122,29 @@ class ScratchDirectory:
 
     def __repr__(self) -> str:
         return f"ScratchDirectory({os.fspath(self.path)!r})"
+
+
+def _remove_orphans(parent: Path) -> None:
+    """Removes the scratch directories under ``parent`` whose owner ran on this host and no
+    longer exists (see :class:`ScratchDirectory`), saying so once per directory."""
+    host = socket.gethostname()
+    for path in parent.glob("rank*-*"):
+        try:
+            owner_host, pid = (path / ScratchDirectory.OWNER_FILE).read_text().split()
+            if owner_host != host or _alive(int(pid)):
+                continue
+        except (OSError, ValueError):
+            continue  # no owner file, or not ours to judge
+        _LOG.warning("torchrec-proactive: removing %s, the disk tier's scratch directory of process %s on this "
+                     "host, which ended without removing it", path, pid)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # (another user's live process)
+    return True
