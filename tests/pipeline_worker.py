@@ -392,3 +392,91 @@ def unpipelined_module(rank: int, world_size: int) -> Dict[str, Any]:
     ebc = dmp.module.ebc
     return {"steps": len(out), "warnings": [str(w.message) for w in caught if "pipelined" in str(w.message)],
             "lookups": ebc.proactive_stats.batches, "lead": ebc.proactive_stats.prefetch_lead_lookups}
+
+
+class _TwoModuleModel(torch.nn.Module):
+    """A user trial's model: a history table (``history``: an EC, or an EBC with
+    ``history_as="ebc"``) and an EBC of ``user`` and ``cat``, both fed from one KJT, their
+    outputs used in the other order than the modules were called."""
+
+    def __init__(self, history_as: str) -> None:
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+
+        meta = torch.device("meta")
+        if history_as == "ec":
+            self.history = EmbeddingCollection(tables=[EmbeddingConfig(
+                name="t_history", embedding_dim=16, num_embeddings=4000, feature_names=["history"])], device=meta)
+        else:
+            self.history = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                name="t_history", embedding_dim=16, num_embeddings=4000, feature_names=["history"])], device=meta)
+        self.history_as = history_as
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name="t_user", embedding_dim=16, num_embeddings=1000, feature_names=["user"]),
+            EmbeddingBagConfig(name="t_cat", embedding_dim=16, num_embeddings=500, feature_names=["cat"])], device=meta)
+        self.dense = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        self.over = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def forward(self, batch):
+        kjt = batch.sparse_features
+        seq = self.history(kjt)
+        pooled = self.ebc(kjt)
+        user, cat = pooled["user"], pooled["cat"]
+        if self.history_as == "ec":
+            hist = seq["history"]
+            values, lengths = hist.values(), hist.lengths()
+            seg = torch.repeat_interleave(torch.arange(user.shape[0]), lengths)
+            history = torch.zeros_like(user).index_add(0, seg, values)
+        else:
+            history = seq["history"]
+        logits = self.over(torch.cat([self.dense(batch.dense_features), user, cat, history], dim=1)).squeeze(-1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+
+def _two_module_batch(g: torch.Generator):
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    hl = torch.randint(1, 9, (32,), generator=g)
+    hist = ((torch.rand(int(hl.sum()), generator=g) ** 3) * 4000).long()
+    user = ((torch.rand(32, generator=g) ** 2) * 1000).long()
+    cl = torch.randint(1, 3, (32,), generator=g)
+    cat = ((torch.rand(int(cl.sum()), generator=g) ** 2) * 500).long()
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["history", "user", "cat"], values=torch.cat([hist, user, cat]),
+                                              lengths=torch.cat([hl, torch.ones(32, dtype=torch.long), cl]).int())
+    return Batch(dense_features=torch.rand(32, 8, generator=g), sparse_features=kjt,
+                 labels=(user % 3 == 0).float())
+
+
+def modules_on_different_ranks(rank: int, world_size: int, depth: int, history_as: str,
+                               load_factors: Dict[str, float]) -> Dict[str, Any]:
+    """The user trial's two modules from one KJT, planned by TorchRec's planner (the history
+    and cat tables table-wise on one rank, user column-wise on both), at ``depth``: the ranks
+    must run the same collectives in the same order (gloo pairs them by order) whether a rank
+    holds a module's kernels or not and whether its prefetches wait for cache room."""
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import CacheParams
+
+    from torchrec_proactive import ProactiveEmbeddingCollectionSharder
+
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-8}
+    torch.manual_seed(1234)
+    model = _TwoModuleModel(history_as)
+    sharders = [ProactiveEmbeddingBagCollectionSharder(fused_params=fused)]
+    if history_as == "ec":
+        sharders.insert(0, ProactiveEmbeddingCollectionSharder(fused_params=fused))
+    types = {"t_history": "table_wise", "t_user": "column_wise", "t_cat": "table_wise"}
+    constraints = {t: ParameterConstraints(compute_kernels=["fused_uvm_caching"], sharding_types=[st],
+                                           cache_params=CacheParams(load_factor=load_factors[t]))
+                   for t, st in types.items()}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"),
+                                       constraints=constraints)
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, plan=plan, sharders=sharders, device=torch.device("cpu"))
+    opt = combined_optimizer(dmp, lambda p: torch.optim.Adagrad(p, lr=0.01))
+    pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=depth)
+    g = torch.Generator().manual_seed(rank)
+    out = _run(pipe, [_two_module_batch(g) for _ in range(10)])
+    return {"steps": len(out), "deferred": pipe.stats()["deferred_batches"]}

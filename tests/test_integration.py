@@ -288,3 +288,20 @@ def test_stats_per_table_add_up_to_the_totals_and_reset():
     assert all(v == 0 for k, v in reset["total"].items() if k != "hit_rate"), reset["total"]
     assert all(v == 0 for t in reset["tables"].values() for k, v in t.items() if k != "hit_rate"), reset["tables"]
     assert res["after"]["total"]["rows_requested"] < res["before"]["total"]["rows_requested"]
+
+
+def test_modules_on_different_ranks_keep_the_collectives_in_step():
+    """A user trial's model (a history table and an EBC fed from one KJT, the history held
+    by one rank only): every rank trains every batch - with an EBC for the history at depth 1,
+    and with an EC for it at depth 2 with a cache so small that one rank's prefetches wait.
+    (Before: a rank with batches waiting to be planned wrapped its module's output all-to-all
+    and a rank without did not; the ranks' backward all-to-alls then came in different orders,
+    and gloo hung, or aborted with "Received data size doesn't match expected size".)"""
+    cases = {"ebc_depth1": dict(depth=1, history_as="ebc", load_factors={"t_history": 0.5, "t_user": 0.5, "t_cat": 0.5}),
+             "ec_depth2_waits": dict(depth=2, history_as="ec",
+                                     load_factors={"t_history": 0.5, "t_user": 0.5, "t_cat": 0.2})}
+    runs = _launch_cases(pipeline_worker.modules_on_different_ranks, list(cases), list(cases.values()), timeout_s=90)
+    assert [r["steps"] for r in _ok(runs["ebc_depth1"])] == [10, 10]
+    waits = _ok(runs["ec_depth2_waits"])
+    assert [r["steps"] for r in waits] == [10, 10]
+    assert any(r["deferred"] > 0 for r in waits), waits  # (the case that aborted: prefetches waited)

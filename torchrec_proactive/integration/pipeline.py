@@ -545,8 +545,10 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         ``batches`` it is the effective depth, ``k`` when nothing waits), ``plan_s`` / ``plan_cpu_s``
         (planning wall / CPU seconds), ``late_updates`` (backwards that came after their
         module's next training forward, whose rows were planned again: see the README's pin
-        rule) and ``external_writes`` (in-place writes into the exposed tensors that the
-        cache picked up). On CPU without an emulated link (``link=None``) fetches are
+        rule), ``external_writes`` (in-place writes into the exposed tensors that the cache
+        picked up - DMP's load of the initial weights counts one per store) and, for tables
+        on disk, ``staged_batches``, ``stages_skipped`` and ``stages_yielded`` (see
+        ``disk_depth``). On CPU without an emulated link (``link=None``) fetches are
         in-process copies, so ``stall_s`` stays near 0 even at depth 0.
 
         ``per_table=True``: ``{tables: {key: value}}`` from each store this rank holds, keyed by

@@ -109,9 +109,9 @@ class ProactiveContextFields:
     ``prefetch_expected`` is set by a pipeline that promised to prefetch this batch.
 
     ``plan_in_output_dist`` is set by a pipeline that runs an earlier batch's forward
-    between this batch's ``prefetch`` and its lookup: the plan is then made while that
-    forward's output all-to-all is in flight, where the main thread would only block on it
-    (the paper's idea, applied to planning), and at the latest at this batch's lookup.
+    between this batch's ``prefetch`` and its lookup: the plan is then made right after that
+    forward's output all-to-all is launched, while it is in flight (the paper's idea, applied
+    to planning), and at the latest at this batch's lookup.
     """
 
     fetch: Optional[BatchFetch] = None
@@ -121,20 +121,6 @@ class ProactiveContextFields:
     # pipelines may take turns on one model (training, and validation mid-epoch); each owns
     # its in-flight batches, and none plans, waits for or frees another's.
     owner: Any = None
-
-
-class _PlanBeforeWaiting(LazyAwaitable[Any]):
-    """A lookup's output all-to-all (already launched) that plans the prefetches queued
-    behind it before it blocks: the planning runs while the all-to-all moves data."""
-
-    def __init__(self, output_dist: LazyAwaitable[Any], plan: Any) -> None:
-        super().__init__()
-        self._output_dist = output_dist
-        self._plan = plan
-
-    def _wait_impl(self) -> Any:
-        self._plan()
-        return self._output_dist.wait()
 
 
 @dataclass
@@ -488,9 +474,12 @@ class ProactiveShardedModule:
             self.check_invariants()
         owner = getattr(ctx, "owner", None)
         if any(_owner(c) is owner for c, _ in self._waiting):
-            # Later batches of this pipeline wait to be planned: plan them while this output
-            # all-to-all runs.
-            return _PlanBeforeWaiting(out, lambda: self._plan_waiting(owner=owner))
+            # Later batches of this pipeline wait to be planned: plan them now, while this
+            # output all-to-all (launched above) is in flight. Here, not in a wrapper of the
+            # awaitable run at its wait: whether a rank has batches waiting differs between
+            # ranks, and an awaitable wrapped on some ranks only put the ranks' backward
+            # all-to-alls in different orders (gloo hung; tests/test_integration.py).
+            self._plan_waiting(owner=owner)
         return out
 
     # ------------------------------------------------------------------ internals

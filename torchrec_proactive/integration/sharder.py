@@ -76,7 +76,7 @@ class _ProactiveSharding:
             table_budgets=table_budgets,
         )
         self.host_cache_bytes: Dict[str, int] = dict(host_cache_bytes or {})
-        self._announced = False
+        self._announced: set = set()
         hide_own_planner_notes()
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
@@ -106,8 +106,8 @@ class _ProactiveSharding:
         disk: Optional[Dict[str, DiskTierSpec]] = {} if self._disk_tier and on_cpu else None
         marked = self._mark_cached_tables(module, params, disk)
         options = dataclasses.replace(self.options, disk=disk) if disk else self.options
-        if not self._announced and getattr(env, "rank", 0) == 0:
-            self._announced = True  # once per sharder (a model's), on one rank
+        if id(module) not in self._announced and getattr(env, "rank", 0) == 0:
+            self._announced.add(id(module))  # once per module it shards (several EBCs: each), on one rank
             self.announce(marked, options)
         return marked, options
 
