@@ -56,6 +56,21 @@ from .report import COUNTER_KEYS, REQUIRED_KEYS, format_table, summarize
 DEFAULT_ROUNDS = 12
 
 
+DEFAULT_LOAD_FACTOR = 0.05
+#: --model sequence's default: its default history (512 samples x 32 ids per rank, Zipf 1.05
+#: over 400k items) brings about 8k distinct rows a global batch to the history table, which
+#: a 5% cache (20k slots) holds for less than depth 1 beside the batch awaiting backward
+#: (measured: 0.97 prefetches a step deferred to their lookup at every depth)
+SEQUENCE_LOAD_FACTOR = 0.2
+
+
+def cache_load_factor(args: argparse.Namespace) -> float:
+    """``--cache-load-factor``, or the model's default."""
+    if args.cache_load_factor is not None:
+        return float(args.cache_load_factor)
+    return SEQUENCE_LOAD_FACTOR if getattr(args, "model", "dlrm") == "sequence" else DEFAULT_LOAD_FACTOR
+
+
 def _settings(args: argparse.Namespace) -> Any:
     from .rank import BenchSettings
     from .workload import Workload
@@ -65,7 +80,7 @@ def _settings(args: argparse.Namespace) -> Any:
                         history_length=args.history_length, history_rows=args.history_rows)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else DEFAULT_ROUNDS)
     s = BenchSettings(
-        workload=workload, sharding=args.sharding, cache_load_factor=args.cache_load_factor,
+        workload=workload, sharding=args.sharding, cache_load_factor=cache_load_factor(args),
         depths=tuple(args.depths), warmup_steps=args.warmup, measure_steps=args.steps,
         link_bandwidth_gbps=args.link_bandwidth_gbps, link_latency_us=args.link_latency_us,
         target_fetch_fraction=args.target_fetch_fraction, trace=bool(args.timeline or args.scaling),
@@ -253,8 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--skew", type=float_in(-1e-12, 0.99), default=0.0, metavar="S",
                    help="skewed tables: table i's Zipf exponent is A * (1 + S * (1 - 2 i / (n - 1))), so "
                         "table-wise shards differ in misses per step (stragglers)")
-    w.add_argument("--cache-load-factor", type=float_in(0.0, 1.0), default=0.05, metavar="F",
-                   help="device cache size as a fraction of each local shard's rows")
+    w.add_argument("--cache-load-factor", type=float_in(0.0, 1.0), default=None, metavar="F",
+                   help=f"device cache size as a fraction of each local shard's rows (default {DEFAULT_LOAD_FACTOR}; "
+                        f"{SEQUENCE_LOAD_FACTOR} with --model sequence, whose batches bring many more distinct rows: "
+                        f"a history table's cache must hold k + 1 batches of them for depth k to prefetch)")
     t = p.add_argument_group("disk tier (--tier ssd: a table larger than host memory, on this machine's disk)")
     t.add_argument("--tier", choices=("dram", "ssd"), default="dram",
                    help="dram: the bench above (every table's host tier in DRAM); ssd: one table whose rows live in a "
@@ -596,7 +613,7 @@ def _ssd_run(args: argparse.Namespace, tier: Any) -> Dict[str, Any]:
 
     s = ssd.SsdSettings(table_bytes=int(args.table_gb * ssd.GB), host_cache_bytes=int(args.host_cache_mb * ssd.MB),
                         dim=args.dim, ids_per_step=args.ids_per_step, zipf_alpha=args.zipf_alpha,
-                        device_cache_fraction=args.cache_load_factor, step_ms=args.step_ms, io_threads=args.io_threads,
+                        device_cache_fraction=cache_load_factor(args), step_ms=args.step_ms, io_threads=args.io_threads,
                         depths=tuple(args.ssd_depths or ()), warmup_steps=args.warmup, timed_steps=args.steps,
                         rounds=args.rounds or DEFAULT_ROUNDS)
     if args.quick:
