@@ -24,6 +24,17 @@ from .exactness_worker import FUSED, LR, _params, _run
 from .sequence_model import SequenceModel, make_pooled_tables, make_sequence_batch, make_sequence_tables
 
 
+def _eval(dmp, batches) -> List[torch.Tensor]:
+    """TorchRec's evaluation pipeline over ``batches`` (``model.eval()``, no grad): the logits."""
+    from torchrec.distributed.train_pipeline import EvalPipelineSparseDist
+
+    dmp.eval()
+    pipe = EvalPipelineSparseDist(dmp, None, torch.device("cpu"))  # type: ignore[arg-type]
+    out = [o if isinstance(o, torch.Tensor) else o[1] for o in _run(pipe, batches)]  # (it returns the logits)
+    dmp.train()
+    return out
+
+
 def build(sharders: List[Any], model_fn, sharding: str, kernel: str, seed_state: Dict[str, torch.Tensor],
           load_factor: Optional[float] = None) -> "tuple[DistributedModelParallel, Any]":
     """``model_fn()`` sharded as ``sharding`` (every table) with ``kernel``, loaded from
@@ -53,11 +64,12 @@ def train_and_compare(rank: int, world_size: int, sharding: str, optimizer: str,
     fused = FUSED[optimizer]
     result: Dict[str, Any] = {"rank": rank}
     ref = None
+    evals = [make_sequence_batch(seq_tables, pooled_tables, batch_size, seed=5000 + 1000 * rank + i) for i in range(2)]
     if compare_stock:
         dmp, opt = build([EmbeddingCollectionSharder(fused_params=dict(fused)),
                           EmbeddingBagCollectionSharder(fused_params=dict(fused))], model_fn, sharding, "fused",
                          seed_state)
-        ref = (_run(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches), _params(dmp))
+        ref = (_run(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches), _params(dmp), _eval(dmp, evals))
     runs = {}
     for k in depths:
         sharders = [ProactiveEmbeddingCollectionSharder(fused_params=dict(fused), debug_checks=True),
@@ -67,7 +79,7 @@ def train_and_compare(rank: int, world_size: int, sharding: str, optimizer: str,
         out = _run(pipe, batches)
         dmp.module.ec.check_invariants(expect_drained=True)
         stats = pipe.stats()
-        runs[k] = {"out": out, "params": _params(dmp), "stats": stats,
+        runs[k] = {"out": out, "params": _params(dmp), "stats": stats, "eval": _eval(dmp, evals),
                    "ec_kernels": len(dmp.module.ec.proactive_kernels),
                    "ec_rows_requested": sum(s["rows_requested"] for s in dmp.module.ec.table_stats().values())}
     base = runs[depths[0]]
@@ -86,6 +98,8 @@ def train_and_compare(rank: int, world_size: int, sharding: str, optimizer: str,
         result["same_keys_as_stock"] = sorted(ref[1]) == sorted(base["params"])
         result["max_param_diff_vs_stock"] = max(float((base["params"][n] - ref[1][n]).abs().max()) for n in ref[1])
         result["max_loss_diff_vs_stock"] = max(float((a[0] - b[0]).abs()) for a, b in zip(base["out"], ref[0]))
+        # after training: TorchRec's EvalPipelineSparseDist, as stock's model evaluates
+        result["max_eval_diff_vs_stock"] = max(float((a - b).abs().max()) for a, b in zip(base["eval"], ref[2]))
     return result
 
 

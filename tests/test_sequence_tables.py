@@ -40,6 +40,7 @@ def _check(results, depths):
             assert res["same_keys_as_stock"]
             assert res["max_param_diff_vs_stock"] < 1e-5, res
             assert res["max_loss_diff_vs_stock"] < 1e-5, res
+            assert res["max_eval_diff_vs_stock"] < 1e-5, res
     # fetched ahead of the lookup at depth >= 1 (a 20% cache makes batches wait for pins where
     # the Zipf head lands - row-wise: on rank 0, whose batches then fetch at lookup - so the
     # mean lead is below k, but above 0 on the ranks with room)
