@@ -49,7 +49,7 @@ def build(sharders: List[Any], model_fn, sharding: str, kernel: str, seed_state:
 
 def train_and_compare(rank: int, world_size: int, sharding: str, optimizer: str, depths: List[int],
                       load_factor: float = 0.2, mixed: bool = True, steps: int = 6, batch_size: int = 16,
-                      compare_stock: bool = True) -> Dict[str, Any]:
+                      compare_stock: bool = True, planner: str = "auto") -> Dict[str, Any]:
     """Stock (kernel ``fused``, ``TrainPipelineSparseDist``) against proactive at each depth
     (``fused_uvm_caching`` at ``load_factor``); ``mixed``: pooled tables beside the histories."""
     seq_tables = make_sequence_tables()
@@ -72,9 +72,10 @@ def train_and_compare(rank: int, world_size: int, sharding: str, optimizer: str,
         ref = (_run(TrainPipelineSparseDist(dmp, opt, torch.device("cpu")), batches), _params(dmp), _eval(dmp, evals))
     runs = {}
     for k in depths:
-        sharders = [ProactiveEmbeddingCollectionSharder(fused_params=dict(fused), debug_checks=True),
-                    ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), debug_checks=True)]
+        sharders = [ProactiveEmbeddingCollectionSharder(fused_params=dict(fused), debug_checks=True, planner=planner),
+                    ProactiveEmbeddingBagCollectionSharder(fused_params=dict(fused), debug_checks=True, planner=planner)]
         dmp, opt = build(sharders, model_fn, sharding, "fused_uvm_caching", seed_state, load_factor)
+        assert set(dmp.module.ec.planners().values()) == ({"device"} if planner == "device" else {"host"})
         pipe = ProactiveTrainPipeline(dmp, opt, torch.device("cpu"), prefetch_depth=k)
         out = _run(pipe, batches)
         dmp.module.ec.check_invariants(expect_drained=True)

@@ -16,6 +16,9 @@ DEFAULT = {
     "table_wise/mixed": dict(sharding="table_wise", optimizer="rowwise_adagrad", depths=[0, 1, 2], mixed=True),
     "row_wise/ec_only": dict(sharding="row_wise", optimizer="rowwise_adagrad", depths=[0, 2], mixed=False),
     "column_wise/mixed": dict(sharding="column_wise", optimizer="adagrad", depths=[0, 2], mixed=True),
+    # the device planner (CUDA's; on CPU when asked for): ids mapped and planned in tensor ops
+    "table_wise/device_planner": dict(sharding="table_wise", optimizer="rowwise_adagrad", depths=[0, 2], mixed=True,
+                                      planner="device"),
 }
 
 
