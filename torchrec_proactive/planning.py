@@ -170,7 +170,20 @@ def build_plan(
         )
         # TorchRec's recommended reservation (its default heuristic one warns that it is
         # deprecated): 15% of each device's memory for the dense part, as the default.
-        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints,
+        enumerator = None
+        if kernel == "key_value":
+            # TorchRec counts a key_value shard's DRAM as nothing on CPU: count its caches
+            from torchrec.distributed.planner.constants import BATCH_SIZE, DEFAULT_PERF_ESTIMATOR
+            from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+            from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
+
+            from .integration.planner_support import DiskTierStorageEstimator
+
+            enumerator = EmbeddingEnumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints,
+                                             estimator=[EmbeddingPerfEstimatorFactory.create(
+                                                 DEFAULT_PERF_ESTIMATOR, topology=topology, constraints=constraints),
+                                                 DiskTierStorageEstimator(topology, constraints)])
+        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, enumerator=enumerator,
                                            storage_reservation=FixedPercentageStorageReservation(0.15))
         with planner_warnings() as heard:
             plan = planner.collective_plan(model, as_sharders(sharder), pg or dist.GroupMember.WORLD)

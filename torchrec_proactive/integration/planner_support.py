@@ -26,10 +26,17 @@ every registered estimator config that lacks them; no existing entry or plan cha
 
 from __future__ import annotations
 
+import math
+from typing import Any, Dict, List, Optional
+
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.constants import DDR_MEM_BW
 from torchrec.distributed.planner.estimator.annotations import device_bw
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimatorFactory
+from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+from torchrec.distributed.planner.types import ParameterConstraints, ShardEstimator, ShardingOption, Storage, Topology
+
+from .disk_tier import DEFAULT_HOST_CACHE_BYTES
 
 CACHED_KERNEL = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 KEY_VALUE_KERNEL = EmbeddingComputeKernel.KEY_VALUE.value
@@ -43,3 +50,45 @@ def register_cpu_cached_kernel() -> None:
         for config_cls in list(EmbeddingPerfEstimatorFactory._registry.values()):  # noqa: SLF001 - no public list
             if ("cpu", kernel) not in (getattr(config_cls, "kernel_device_bandwidths", None) or {}):
                 device_bw(bandwidth=CPU_CACHED_LOOKUP_BW, device="cpu", compute_kernel=kernel)(config_cls)
+
+
+class DiskTierStorageEstimator(ShardEstimator):
+    """TorchRec's storage estimate (``EmbeddingStorageEstimator``), with the DRAM a ``key_value``
+    table on the proactive disk tier takes on a CPU topology counted in ``ddr``.
+
+    For ``key_value`` TorchRec counts the shard's rows on SSD and, on CPU, nothing in DRAM
+    (its caches are GPU ones), so a planner would put any number of such tables on one
+    rank's DRAM. Each shard here also holds its device cache (the plan's load factor x its
+    rows; on CPU the "device" is DRAM) and a host cache of at most ``l2_cache_size`` GB
+    (``disk_tier.DEFAULT_HOST_CACHE_BYTES`` when unset) and at most its rows - counted per
+    shard, so tables that share a group's host cache are counted high, never low. The SSD
+    figure is TorchRec's (the whole shard). Other kernels and devices: TorchRec's unchanged.
+    """
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 default_load_factor: float = 0.2) -> None:
+        self._topology = topology
+        self._stock = EmbeddingStorageEstimator(topology, constraints)
+        self._default_load_factor = default_load_factor
+
+    def estimate(self, sharding_options: List[ShardingOption],  # type: ignore[override]
+                 sharder_data_map: Optional[Dict[str, Any]] = None) -> None:
+        self._stock.estimate(sharding_options, sharder_data_map=sharder_data_map)
+        if self._topology.compute_device != "cpu":
+            return
+        for option in sharding_options:
+            if option.compute_kernel != KEY_VALUE_KERNEL:
+                continue
+            load_factor = option.cache_load_factor
+            load_factor = self._default_load_factor if load_factor is None else load_factor
+            kv = option.key_value_params
+            host_cap = int(kv.l2_cache_size * (1 << 30)) if kv is not None and kv.l2_cache_size else \
+                DEFAULT_HOST_CACHE_BYTES
+            element = option.tensor.element_size()
+            for shard in option.shards:
+                rows, cols = int(shard.size[0]), int(shard.size[1])
+                row_bytes = cols * element
+                extra = math.ceil(load_factor * rows) * row_bytes + min(host_cap, rows * row_bytes)
+                storage = shard.storage
+                assert storage is not None
+                shard.storage = Storage(hbm=storage.hbm, ddr=storage.ddr + extra, ssd=storage.ssd)
