@@ -207,7 +207,7 @@ def test_summary_says_what_was_measured_and_warns_on_one_round(tiny_run):
 
     proc, report, _ = tiny_run
     first = proc.stdout.splitlines()[0]
-    assert first.startswith("workload: 2 tables x 4000 rows x 64, batch 64 per rank, 2 gloo rank(s)"), first
+    assert first.startswith("workload: 2 tables x 4000 rows x 64, batch 64 per rank, 256 ids per step, 2 gloo rank(s)"), first
     assert "6 timed steps x 2 round(s)" in first
     one_round = format_table({**report, "settings": {**report["settings"], "rounds": 1}})
     assert "one round: a smoke test, not a measurement" in one_round, one_round

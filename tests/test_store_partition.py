@@ -292,7 +292,7 @@ def test_auto_depth_is_bounded_by_each_tables_budget():
             return {"A+B": self.table}
 
     # shared 110 slots would fit 110 // 5 - 1 = 21 batches of 5 ids; A's 10 slots fit 1
-    with mock.patch.object(autodepth, "ProactiveShardedEmbeddingBagCollection", FakeEbc):
+    with mock.patch.object(autodepth, "ProactiveShardedModule", FakeEbc):
         assert autodepth.cache_depth_limit(FakeEbc(_group(None)), ids_per_batch=5) == 21
         assert autodepth.cache_depth_limit(FakeEbc(_group([10, 100])), ids_per_batch=5) == 1
 
