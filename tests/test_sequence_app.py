@@ -32,6 +32,8 @@ from torchrec_proactive.data.history import (
     with_history,
 )
 
+from .test_dlrm_example import _losses  # (a run's step losses from its metrics file)
+
 # ---------------------------------------------------------------------- the generator
 
 
@@ -204,13 +206,6 @@ def test_a_checkpoint_saved_before_the_history_keys_still_resumes():
 STOP = 7  # mid-epoch (18 steps per epoch: 3000 rows, 20% held out, 2 ranks x 64)
 
 
-def _losses(run_dir: Path, rank: int) -> Dict[int, float]:
-    out = {}
-    for line in (run_dir / f"rank_{rank}" / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["kind"] == "step":
-            out[rec["step"]] = rec["loss"]  # a resumed run appends: later records win
-    return out
 
 
 def _scenario(rank: int, world_size: int, root: str) -> Dict[str, Any]:

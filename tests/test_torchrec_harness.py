@@ -86,13 +86,14 @@ class StockTestSharder(EmbeddingBagCollectionSharder):
         return [self._kernel_type]
 
 
-class ProactiveTestSharder(ProactiveEmbeddingBagCollectionSharder):
-    """The same restriction on top of the proactive sharder (kernel ``fused_uvm_caching``)."""
+class _OneTypeOneKernel:
+    """TestEBCSharder's restriction (one sharding type, one kernel) on top of a proactive
+    sharder (kernel ``fused_uvm_caching``)."""
 
     def __init__(self, sharding_type: str, kernel_type: str = "fused_uvm_caching",
                  fused_params: Optional[Dict[str, Any]] = None, cache_load_factor: float = 0.5) -> None:
         self._sharding_type, self._kernel_type = sharding_type, kernel_type
-        super().__init__(fused_params or {}, cache_load_factor=cache_load_factor)
+        super().__init__(fused_params or {}, cache_load_factor=cache_load_factor)  # type: ignore[call-arg]
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return [self._sharding_type]
@@ -101,19 +102,12 @@ class ProactiveTestSharder(ProactiveEmbeddingBagCollectionSharder):
         return [self._kernel_type]
 
 
-class ProactiveSequenceTestSharder(ProactiveEmbeddingCollectionSharder):
-    """The same restriction on top of the proactive sequence sharder."""
+class ProactiveTestSharder(_OneTypeOneKernel, ProactiveEmbeddingBagCollectionSharder):
+    """The restriction on top of the proactive EBC sharder."""
 
-    def __init__(self, sharding_type: str, kernel_type: str = "fused_uvm_caching",
-                 fused_params: Optional[Dict[str, Any]] = None, cache_load_factor: float = 0.5) -> None:
-        self._sharding_type, self._kernel_type = sharding_type, kernel_type
-        super().__init__(fused_params or {}, cache_load_factor=cache_load_factor)
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [self._sharding_type]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return [self._kernel_type]
+class ProactiveSequenceTestSharder(_OneTypeOneKernel, ProactiveEmbeddingCollectionSharder):
+    """The restriction on top of the proactive sequence sharder."""
 
 
 def _sequence_tables(pooled: bool):

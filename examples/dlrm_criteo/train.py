@@ -44,20 +44,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Trains; prints the run's result as the last line on stdout (the JSON of
     ``torchrec_proactive.app.result.TrainResult``, the same line as ``torchrec-proactive train``)."""
     args = parse_args(argv)
-    from torchrec_proactive.app.entry import run_command
-    from torchrec_proactive.app.errors import EXIT_USAGE, UserError
-    from torchrec_proactive.app.result import TrainResult
+    from torchrec_proactive.app.entry import train_for_script
 
-    try:
-        # composes first (bad overrides fail before any rank starts), refuses a run directory
-        # that holds another run unless train.resume=true, then launches the ranks
-        results = run_command("train", args.overrides, nproc=args.nproc, config_dir=args.config_dir)
-    except UserError as e:  # one line, no traceback: the message names key, value and limit
-        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here
-        print(TrainResult.from_summary(results[0]).to_json())
-    return 0
+    # composes first (bad overrides fail before any rank starts), refuses a run directory
+    # that holds another run unless train.resume=true, then launches the ranks
+    return train_for_script(os.path.basename(sys.argv[0]), args.overrides, nproc=args.nproc,
+                            config_dir=args.config_dir)
 
 
 if __name__ == "__main__":

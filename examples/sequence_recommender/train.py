@@ -36,18 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
     p.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. experiment=ci_tiny")
     args = p.parse_args(argv)
-    from torchrec_proactive.app.entry import run_command
-    from torchrec_proactive.app.errors import EXIT_USAGE, UserError
-    from torchrec_proactive.app.result import TrainResult
+    from torchrec_proactive.app.entry import train_for_script
 
-    try:
-        results = run_command("train", overrides_with_model(args.overrides), nproc=args.nproc)
-    except UserError as e:  # one line, no traceback: the message names key, value and limit
-        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here
-        print(TrainResult.from_summary(results[0]).to_json())
-    return 0
+    return train_for_script(os.path.basename(sys.argv[0]), overrides_with_model(args.overrides), nproc=args.nproc)
 
 
 if __name__ == "__main__":

@@ -194,3 +194,23 @@ def run_command(mode: str, overrides: Sequence[str], nproc: int = 1, config_dir:
         if e.user_message is not None:
             raise UserError(e.user_message) from None
         raise
+
+
+def train_for_script(prog: str, overrides: Sequence[str], nproc: int = 1, config_dir: Optional[str] = None) -> int:
+    """The example scripts' ``main``: trains (:func:`run_command`), then prints the run's
+    :class:`~torchrec_proactive.app.result.TrainResult` JSON as the last stdout line (the same
+    line as ``torchrec-proactive train``; under torchrun on rank 0 only), or a user's mistake as
+    one ``prog: error: ...`` line on stderr (no traceback). Returns the exit code."""
+    import sys
+
+    from .errors import EXIT_USAGE
+    from .result import TrainResult
+
+    try:
+        results = run_command("train", overrides, nproc=nproc, config_dir=config_dir)
+    except UserError as e:  # one line, no traceback: the message names key, value and limit
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets here
+        print(TrainResult.from_summary(results[0]).to_json())
+    return 0
