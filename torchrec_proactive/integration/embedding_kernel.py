@@ -90,11 +90,18 @@ class VbeLayout:
     def place(self, flat: torch.Tensor, dim: int, output: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``output`` (TorchRec's preallocated VBE output of several groups) with this
         group's ``flat`` segments copied where ``offsets[r][f]`` says (out of place, so
-        autograd sees every group's part)."""
-        starts = offsets.cpu().tolist()
-        positions = [torch.arange(starts[r][f], starts[r][f] + self.strides[f][r] * dim)
-                     for r in range(len(starts)) for f in range(len(self.strides))]
-        index = torch.cat(positions).to(output.device) if positions else torch.zeros(0, dtype=torch.int64)
+        autograd sees every group's part). The positions are built on ``output``'s device from
+        the offsets where they are: no host read of a device tensor (the segments' lengths
+        are the host's own batch sizes)."""
+        ranks = len(self.strides[0]) if self.strides else 0
+        lengths = [self.strides[f][r] * dim for r in range(ranks) for f in range(len(self.strides))]
+        total = sum(lengths)
+        device = output.device
+        seg = torch.tensor(lengths, dtype=torch.int64, device=device)
+        starts = offsets.reshape(-1).to(device=device, dtype=torch.int64)  # [r][f], rank-major as ``lengths``
+        first = torch.cumsum(seg, 0) - seg  # each segment's first value in ``flat``
+        within = torch.arange(total, device=device) - torch.repeat_interleave(first, seg, output_size=total)
+        index = torch.repeat_interleave(starts, seg, output_size=total) + within
         return output.index_copy(0, index, flat.to(output.dtype))
 
 
