@@ -60,6 +60,7 @@ from ..store import (
     pooled_lookup_group,
 )
 from ..store import host_memory
+from ..store.row_moves import device_alias
 from ..store.row_space import device_store_rows  # noqa: F401 - (re-exported: tests import it here)
 from .disk_tier import ScratchDirectory, group_host_cache_bytes, resolve_directory
 from .host_views import LiveTableSlice, can_be_live, live_view, register_host_storage
@@ -304,6 +305,14 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._warned_stale_write = False
         # Written through a live view (or its bytes handed out) since the last lookup.
         self._host_written = False
+        # The optimizer state TorchRec is handed (``get_optimizer_state``), per store key.
+        self._handed_state: Dict[str, torch.Tensor] = self.store.exposed_state
+        # On CUDA, TorchRec places the group's shards on the device (``rank:r/cuda:r``) and
+        # checks that every tensor it is handed is there (``Shard``): it is handed the host
+        # tier as the GPU addresses it - the same bytes, no copy (``_device_handout``).
+        self._handed_on_device = False
+        if disk is None and self._device.type == "cuda":
+            self._hand_out_on_device(config, host_buffer, host_buffer_on_device)
         # What TorchRec hands out (state_dict, named_parameters, the optimizer's state) is
         # live: a read writes the cache back first, a write is taken by the cache (see
         # host_views.py; on disk, disk_views.py). The store itself reads and writes through
@@ -312,6 +321,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             register_host_storage(host_buffer, self)
             for state in self.store.exposed_state.values():
                 register_host_storage(state, self)
+            if self._handed_on_device:
+                register_host_storage(self._host_buffer, self)
+                for state in self._handed_state.values():
+                    register_host_storage(state, self)
             self._host_views = [live_view(v) for v in self._host_views]
         else:
             self._host_views = [self._disk_view(0, seg.start, seg.num_rows) for seg in self.store.segments]
@@ -322,6 +335,31 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._optim = ProactiveFusedOptimizer(self, pg)
 
     # ------------------------------------------------------------------ construction
+    def _hand_out_on_device(self, config: GroupedEmbeddingConfig, host_buffer: torch.Tensor,
+                            device_buffer: Optional[torch.Tensor]) -> None:
+        """On CUDA, makes what TorchRec is handed (the tables' weights, their optimizer state)
+        the host tier as the GPU addresses it: CUDA tensors over the very bytes of the host
+        tier (FBGEMM's host-mapped rows, ``device_buffer``, and the store's host-mapped state,
+        its ``host_on_device``), as stock FBGEMM hands its UVM rows. TorchRec places the
+        shards on ``cuda:r`` and its ``Shard`` refuses a CPU tensor there (the fused
+        optimizer's, ``state_dict``'s and the sharded module's sharded tensors).
+
+        Where no such view exists (the rows are a copy, or the state is not addressable by
+        the GPU) the CPU tensors stay, and a shard placed on a CUDA device is refused here
+        in one line rather than in TorchRec's check."""
+        handout = _device_handout(host_buffer, device_buffer, self._host_views, self.store)
+        if handout is None:
+            placed = sorted({str(t.local_metadata.placement.device()) for t in config.embedding_tables
+                             if t.local_metadata is not None and t.local_metadata.placement is not None})
+            if any(torch.device(p).type == "cuda" for p in placed):
+                raise NotImplementedError(
+                    f"tables {config.table_names()}: TorchRec places their shards on {placed} and needs the tensors "
+                    f"it is handed there, but no CUDA view of their host tier could be made (its rows are a copy "
+                    f"of FBGEMM's, or its optimizer state is not host memory the GPU addresses)")
+            return
+        self._host_buffer, self._host_views, self._handed_state = handout
+        self._handed_on_device = True
+
     @classmethod
     def from_stock(
         cls,
@@ -341,8 +379,9 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         (``store.host_memory.cpu_alias``: FBGEMM's ``uvm_to_cpu`` refuses host-mapped
         storage); the optimizer state is host-mapped at its exact size too
         (``_host_mapped_tier``), so rows and state are each held once
-        (``integration/host_tier_probe.py`` counts it). Where no alias can be made the rows
-        are copied once, said in a warning. ``user_fused_params`` are the group's
+        (``integration/host_tier_probe.py`` counts it). TorchRec, which places the shards on
+        ``cuda:r``, is handed CUDA views of those same bytes (``_hand_out_on_device``). Where
+        no alias can be made the rows are copied once, said in a warning. ``user_fused_params`` are the group's
         fused params as the user gave them (the stock kernel was built with plain SGD, see
         the sharded module)."""
         views = [w.detach() for w in stock.split_embedding_weights()]
@@ -457,7 +496,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             return [{fbgemm: self._disk_view(1 + order.index(ours), seg.start, seg.num_rows) for fbgemm, ours in names}
                     for seg in self.store.segments]
         return [
-            {fbgemm: live_view(self.store.exposed_state[ours][seg.start: seg.start + seg.num_rows])
+            {fbgemm: live_view(self._handed_state[ours].narrow(0, seg.start, seg.num_rows))
              for fbgemm, ours in names}
             for seg in self.store.segments
         ]
@@ -597,8 +636,11 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     def after_host_write(self) -> None:
         """A live view wrote the host tier: the next lookup (or flush) has the cache take the
-        rows written."""
+        rows written. On CUDA the views handed out are device tensors, whose writes are
+        kernels still queued: they land before the host reads the tier again."""
         self._host_written = True
+        if self._handed_on_device and torch.cuda.is_available():
+            torch.cuda.synchronize(self._device)
 
     def adopt_host_writes(self) -> None:
         """Makes the cache take what was written in place into the host tier (after a
@@ -920,6 +962,28 @@ def _host_mapped_tier(host_weight: torch.Tensor, host_buffer: torch.Tensor, devi
         state[key] = made[0]
         on_device.append(made[1])
     return {"host_state": state, "host_on_device": on_device}
+
+
+def _device_handout(host_buffer: torch.Tensor, device_buffer: Optional[torch.Tensor], views: List[torch.Tensor],
+                    store: TieredTable) -> Optional[Tuple[torch.Tensor, List[torch.Tensor], Dict[str, torch.Tensor]]]:
+    """``(buffer, per-table weights, state per store key)`` as CUDA tensors over the bytes of
+    the host tier: ``device_buffer`` is ``host_buffer`` as the GPU addresses it (FBGEMM's
+    host-mapped UVM, whose CPU alias ``host_buffer`` is: same allocation, same layout), so
+    each table's view is at its own offset there; the state is the store's ``host_on_device``
+    (weight, then each state, over the host tier's bytes), else each state's device alias
+    (pinned or registered host memory, ``row_moves.device_alias``). None where one is missing."""
+    if device_buffer is None or device_buffer.device.type != "cuda":
+        return None
+    tier = store.host_on_device
+    if tier is not None and len(tier) == 1 + len(store.host_state):
+        state = dict(zip(store.host_state, tier[1:]))
+    else:
+        state = {key: device_alias(t, device_buffer.device) for key, t in store.host_state.items()}
+    if any(t is None or t.device.type != "cuda" for t in state.values()):
+        return None
+    shift = device_buffer.storage_offset() - host_buffer.storage_offset()
+    weights = [device_buffer.as_strided(tuple(v.shape), tuple(v.stride()), v.storage_offset() + shift) for v in views]
+    return device_buffer, weights, state
 
 
 def _host_alias(uvm: torch.Tensor) -> Optional[torch.Tensor]:

@@ -12,10 +12,10 @@ GPU), the kernel is built on fake CUDA tensors by the real ``from_stock``, and
 allocates) / (rows + optimizer state at their exact size): 1.0 when each is held once.
 Used by ``tests/test_device_host_tier.py`` and ``benchmarks/gpu_check.py``.
 
-The shards' placement is ``rank:0/cpu``, as in the CPU tests: on a GPU TorchRec places a
-FUSED_UVM table on ``cuda:r``, while the kernel hands TorchRec CPU views of its host tier
-(``split_embedding_weights``), which ``Shard`` refuses for a ``cuda`` placement - a check
-for the first GPU day, outside what this probe counts.
+The shards' placement is TorchRec's on a GPU, ``rank:0/cuda:0``: the kernel hands TorchRec
+CUDA views of its host tier (the same bytes; ``Shard`` refuses a CPU tensor for a ``cuda``
+placement, see ``tests/test_device_shard_placement.py``), built by ``from_stock`` with the
+rest, so a copy made for them would be counted here.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _grouped_config(tables: Sequence[Tuple[str, int]], dim: int) -> Any:
 
     configs = []
     for name, rows in tables:
-        shard = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[rows, dim], placement="rank:0/cpu")  # (see the note in from_stock_host_bytes)
+        shard = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[rows, dim], placement="rank:0/cuda:0")  # (TorchRec's on a GPU)
         meta = ShardedTensorMetadata(shards_metadata=[shard], size=torch.Size([rows, dim]),
                                      tensor_properties=TensorProperties())
         configs.append(ShardedEmbeddingTable(

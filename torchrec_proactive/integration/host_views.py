@@ -4,7 +4,9 @@ reads and writes the table as training left it, whenever they were taken.
 TorchRec exposes a fused kernel's rows as views of its host storage: ``state_dict()``'s
 shards, ``named_parameters()``, the registered ``embedding_bags[t].weight`` and the fused
 optimizer's state. Ours are views of the store's host tier, which is behind the device cache
-for every row trained since the cache last wrote it back. A user (or a library) may keep
+for every row trained since the cache last wrote it back. (On CUDA they are CUDA tensors
+over the host tier's host-mapped bytes, as stock FBGEMM's UVM rows are: TorchRec places the
+shards on ``cuda:r`` and checks the tensors it is handed are there.) A user (or a library) may keep
 such a tensor for the whole run; a read through it would see old values, and a write would
 be computed from them.
 
