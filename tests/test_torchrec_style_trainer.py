@@ -24,6 +24,45 @@ def _run(out: Path, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _load_example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torchrec_style_train", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runs_on_ranks(rank: int, world_size: int, runs: list) -> list:
+    """The example's ``main`` for each argument list in turn on these ranks (one launch of two
+    ranks for several runs: each new interpreter costs seconds of imports); rank 0 returns the
+    JSON line each run printed. ``main`` joins the group the launch made, and its closing
+    ``destroy_process_group`` is kept for the launch to do after the last run."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    example, printed = _load_example(), []
+    for argv in runs:
+        args = example.parse(argv)
+        os.makedirs(args.out, exist_ok=True)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), mock.patch.object(dist, "destroy_process_group"):
+            example.main(rank, world_size, args)
+        printed.append(json.loads(out.getvalue().strip().splitlines()[-1]) if rank == 0 else None)
+    return printed
+
+
+def _run_in_one_launch(*runs: tuple) -> list:
+    """``_run`` for several (out, *args) at once, the example's code on two spawned ranks."""
+    from torchrec_proactive.launch import run_ranks
+
+    argvs = [["--out", str(out), "--steps", "24", "--eval-every", "12", *args] for out, *args in runs]
+    return run_ranks(_runs_on_ranks, world_size=2, timeout_s=300, runs=argvs)[0]
+
+
 def _params(out: Path) -> dict:
     """Both ranks' losses and the whole model (sharded tables assembled from their shards)."""
     files = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
@@ -54,14 +93,18 @@ def test_two_line_swap_matches_stock_and_checkpoints_interoperate(tmp_path):
     # A new pipeline per round drops the batches the old one held (as stock does; a deeper
     # pipeline holds more). Its prefetches are released, so a tiny cache trains on exactly
     # as a large one does.
-    tiny = _run(tmp_path / "rounds_tiny", "--proactive", "--pipeline-per-round", "--cache-load-factor", "0.02")
-    full = _run(tmp_path / "rounds_full", "--proactive", "--pipeline-per-round", "--cache-load-factor", "0.5")
+    # (These four runs share one launch of two ranks: the script's own command line, spawn and
+    # JSON line are the two runs above.)
+    assert (tmp_path / "stock" / "checkpoint" / ".metadata").exists()
+    tiny, full, _, _ = _run_in_one_launch(
+        (tmp_path / "rounds_tiny", "--proactive", "--pipeline-per-round", "--cache-load-factor", "0.02"),
+        (tmp_path / "rounds_full", "--proactive", "--pipeline-per-round", "--cache-load-factor", "0.5"),
+        # The stock DCP checkpoint resumes in the plugin, and the plugin's in stock.
+        (tmp_path / "pro_resumed", "--proactive", "--resume", stock["checkpoint"]),
+        (tmp_path / "stock_resumed", "--resume", pro["checkpoint"]),
+    )
     assert tiny["steps"] == full["steps"] > 12
     assert _max_diff(_params(tmp_path / "rounds_tiny"), _params(tmp_path / "rounds_full")) == 0.0
-    # The stock DCP checkpoint resumes in the plugin, and the plugin's in stock.
-    assert (tmp_path / "stock" / "checkpoint" / ".metadata").exists()
-    _run(tmp_path / "pro_resumed", "--proactive", "--resume", stock["checkpoint"])
-    _run(tmp_path / "stock_resumed", "--resume", pro["checkpoint"])
     assert _max_diff(_params(tmp_path / "pro_resumed"), _params(tmp_path / "stock_resumed")) < 1e-5
 
 
