@@ -271,10 +271,8 @@ def test_gen_data_then_train_runs_refuses_overwrite_and_resumes_a_finished_run(t
 
 
 @pytest.mark.multiprocess
-def test_compare_prints_a_table_and_logs_the_config_once(tmp_path: Path) -> None:
-    run = cli("compare", "--nproc", "1", "experiment=ci_tiny", "train.max_steps=10", "train.eval=false",
-              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'cmp'}")
-    assert run.rc == 0, run
+def test_compare_prints_a_table_and_logs_the_config_once(ci_tiny_compare) -> None:
+    run = ci_tiny_compare.run  # (conftest: one ci_tiny compare run several modules read)
     assert len(re.findall(r"\] config [0-9a-f]{16} on", run.err)) == 1, run
     assert "{'" not in run.err + run.out, run  # no raw Python dicts
     table = run.out

@@ -111,12 +111,9 @@ def test_the_runs_files_are_named(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_compare_run_prints_interval_phases_and_files(tmp_path: Path) -> None:
+def test_compare_run_prints_interval_phases_and_files(ci_tiny_compare) -> None:
     # ci_tiny on 1 rank: 75 steps, 7 steps of warm-up, then 7 rounds of ~10 steps
-    out = tmp_path / "cmp"
-    run = cli("compare", "--nproc", "1", "experiment=ci_tiny", "train.eval=false",
-              f"data.root={tmp_path / 'data'}", f"train.output_dir={out}")
-    assert run.rc == 0, run
+    run, out = ci_tiny_compare.run, ci_tiny_compare.out
     (line,) = [ln for ln in run.out.splitlines() if ln.startswith("speed-up")]
     assert INTERVAL.search(line) and ("beyond noise" in line or "within noise" in line), run
     assert "final parameters bit-identical: yes" in run.out, run

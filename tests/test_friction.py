@@ -104,10 +104,8 @@ def test_fit_depth_log_says_whole_table() -> None:
 
 
 @pytest.mark.multiprocess
-def test_compare_logs_data_and_caches_once_and_names_the_modes(tmp_path: Path) -> None:
-    run = cli("compare", "--nproc", "1", "experiment=ci_tiny", "train.max_steps=5", "train.eval=false",
-              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'cmp'}")
-    assert run.rc == 0, run
+def test_compare_logs_data_and_caches_once_and_names_the_modes(ci_tiny_compare) -> None:
+    run = ci_tiny_compare.run  # (conftest: one ci_tiny compare run several modules read)
     assert len(re.findall(r"\] data: \d+ training steps", run.err)) == 1, run
     assert len(re.findall(r"\] cache\.fit_depth:", run.err)) == 1, run
     assert "compare: reactive (prefetch off, depth 0) and proactive (depth 2)" in run.err, run

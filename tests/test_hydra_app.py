@@ -208,12 +208,10 @@ def test_hydra_run_dir_and_chdir_are_honoured(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_hydra_record_and_job_log_are_in_the_run_dir(tmp_path: Path) -> None:
-    run = cli("compare", "--nproc", "1", *TINY, "train.max_steps=3", "train.eval=false",
-              f"data.root={tmp_path / 'data'}", "train.output_dir=runs/x", cwd=tmp_path)
-    assert run.rc == 0, run
-    assert not (tmp_path / "outputs").exists(), sorted(p.name for p in tmp_path.iterdir())  # no stray record
-    run_dir = tmp_path / "runs" / "x"
+def test_hydra_record_and_job_log_are_in_the_run_dir(ci_tiny_compare) -> None:
+    # (conftest: a compare run from its own directory with train.output_dir=runs/x)
+    run, start, run_dir = ci_tiny_compare
+    assert not (start / "outputs").exists(), sorted(p.name for p in start.iterdir())  # no stray record
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / ".hydra" / "overrides.yaml").is_file()
     log = (run_dir / "compare.log").read_text()
     assert "compare: reactive (prefetch off, depth 0) and proactive (depth 2)" in log, log
