@@ -27,6 +27,12 @@ def run_cases(rank: int, world_size: int, check: Callable[..., Any],
     return out
 
 
+def call(rank: int, world_size: int, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """``fn(rank=, world_size=, **kwargs)``: as ``check``, it lets one launch run cases of
+    different checks (each case's ``fn`` in its kwargs)."""
+    return fn(rank=rank, world_size=world_size, **kwargs)
+
+
 def launch_cases(check: Callable[..., Any], keys: List[Any], cases: List[Dict[str, Any]], world_size: int = 2,
                  timeout_s: float = 600.0) -> Dict[Any, List[Dict[str, Any]]]:
     """(Test side.) ``check`` on ``world_size`` ranks once per kwargs of ``cases``, all in one

@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchrec_proactive.launch import run_ranks
 
 from . import checkpoint_worker
-from .cases_worker import launch_cases, ok
+from .cases_worker import call, launch_cases, ok
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,18 +24,32 @@ RESHARD = [("sgd", "table_wise", "sparse"), ("rowwise_adagrad", "row_wise", "spa
            ("rowwise_adagrad", "row_wise", "sequence")]
 
 
+APP_RUN = dict(fn=checkpoint_worker.app_run, out="R", overrides=["train.max_steps=10"])
+DAMAGED_RUN = dict(fn=checkpoint_worker.app_run, out="D", overrides=["train.max_steps=6", "train.checkpoint_every=3"])
+
+
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
-    """Both cases saved by 2 ranks in one launch, then loaded by 1 rank and by 2 (one launch
-    each): starting ranks costs more than a case."""
+    """Every rank-side case of this module in three launches (starting ranks costs more than
+    a case): the RESHARD cases and the app's run (key "app") saved by 2 ranks in one launch,
+    then loaded by 1 rank and by 2 (one launch each, with the app's resumes); the 1-rank
+    launch also makes test_a_damaged_or_altered_checkpoint_is_refused_in_one_line's run
+    (key "damaged")."""
     root = tmp_path_factory.mktemp("reshard")
-    saved = launch_cases(checkpoint_worker.save, RESHARD, [
-        dict(root=str(root / f"{optimizer}-{sharding}-{model}"), optimizer=optimizer, sharding=sharding, model=model)
-        for optimizer, sharding, model in RESHARD])
+    app = dict(root=str(root / "app"))
+    saved = launch_cases(call, [*RESHARD, "app"], [
+        *(dict(fn=checkpoint_worker.save, root=str(root / f"{optimizer}-{sharding}-{model}"), optimizer=optimizer,
+               sharding=sharding, model=model) for optimizer, sharding, model in RESHARD),
+        {**APP_RUN, **app}])
     good = [case for case in RESHARD if "error" not in saved[case][0]]
-    loaded = {world_size: launch_cases(checkpoint_worker.load, good, [
-        dict(path=saved[case][0]["ok"]["path"], optimizer=case[0], sharding=case[1], model=case[2])
-        for case in good], world_size=world_size) for world_size in (1, 2)}
+    loaded = {}
+    for world_size in (1, 2):
+        keys = [*good, "app", *(["damaged"] if world_size == 1 else [])]
+        loaded[world_size] = launch_cases(call, keys, [
+            *(dict(fn=checkpoint_worker.load, path=saved[case][0]["ok"]["path"], optimizer=case[0],
+                   sharding=case[1], model=case[2]) for case in good),
+            dict(fn=checkpoint_worker.app_resume_loads, out="R", **app),
+            *([{**DAMAGED_RUN, "root": str(root / "damaged")}] if world_size == 1 else [])], world_size=world_size)
     return saved, loaded
 
 
@@ -64,17 +77,16 @@ def test_saved_on_two_ranks_loads_on_one_and_on_two(resharded, optimizer: str, s
 
 
 @pytest.mark.multiprocess
-def test_the_apps_run_saved_on_two_ranks_resumes_on_one_and_on_two(tmp_path: Path):
+def test_the_apps_run_saved_on_two_ranks_resumes_on_one_and_on_two(resharded):
     """``torchrec-proactive train`` (Adam tables, Adam dense) saved by 2 ranks; the Trainer's
     own resume on 1 and on 2 ranks loads every table and state entry as saved."""
-    saved = run_ranks(checkpoint_worker.app_run, world_size=2, timeout_s=600, root=str(tmp_path), out="R",
-                      overrides=["train.max_steps=10"])
+    saved, loaded = resharded  # (APP_RUN on 2 ranks, then app_resume_loads on 1 and on 2)
+    saved = ok(saved["app"])
     want = saved[0]["whole"]
     assert saved[0]["summary"]["last_checkpoint"].endswith("step_00000010")
     assert any("embedding_bags" in k for k in want) and any(k.startswith("optimizer.") for k in want)
     for world_size in (1, 2):
-        for res in run_ranks(checkpoint_worker.app_resume_loads, world_size=world_size, timeout_s=600,
-                             root=str(tmp_path), out="R"):
+        for res in ok(loaded[world_size]["app"]):
             # The same point of the epoch in samples: 10 steps of 2 ranks are 20 steps of 1.
             assert res["step"] == 10 * 2 // world_size
             got = res["whole"]
@@ -127,7 +139,7 @@ def test_a_position_that_rescales_to_the_end_of_an_epoch_starts_the_next_one():
 
 
 @pytest.mark.multiprocess
-def test_a_damaged_or_altered_checkpoint_is_refused_in_one_line(tmp_path: Path):
+def test_a_damaged_or_altered_checkpoint_is_refused_in_one_line(resharded):
     """A truncated tensor file or a manifest whose step was changed: a CheckpointError (one
     line, exit 2 at the CLI) naming the checkpoint and the intact ones left."""
     import json
@@ -135,8 +147,8 @@ def test_a_damaged_or_altered_checkpoint_is_refused_in_one_line(tmp_path: Path):
     from torchrec_proactive.app.checkpoint import Checkpointer
     from torchrec_proactive.app.errors import CheckpointError, UserError
 
-    res = run_ranks(checkpoint_worker.app_run, world_size=1, timeout_s=600, root=str(tmp_path), out="D",
-                    overrides=["train.max_steps=6", "train.checkpoint_every=3"])[0]
+    _, loaded = resharded
+    res = ok(loaded[1]["damaged"])[0]  # (DAMAGED_RUN on 1 rank: its own run, for this test only)
     directory = Path(res["summary"]["last_checkpoint"]).parent
     ckpt = Checkpointer(directory, rank=0, world_size=1, keep=3, log=__import__("logging").getLogger("t"))
     last = ckpt.latest()
