@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 
-from .test_cli import TINY, assert_user_error, cli
+from .test_cli import TINY, assert_user_error, cli, cli_here
 
 pytestmark = pytest.mark.multiprocess  # the run it starts from is made by the CLI
 
@@ -189,8 +189,8 @@ def test_a_latest_link_at_the_cli_is_one_line_exit_2(made, run_dir: Path, tmp_pa
     latest.unlink()
     latest.symlink_to(outside)
     before = {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")}
-    run = cli("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
-              "train.resume=true")
+    run = cli_here("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
+                   "train.resume=true")
     assert_user_error(run, "LATEST", "symbolic link")
     assert {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")} == before
 
@@ -279,8 +279,8 @@ def test_a_number_the_run_cannot_mean_at_the_cli_is_one_line_exit_2(made, run_di
     change, fragments = NUMBERS[case]
     _manifest_edit(run_dir / "checkpoints" / "step_00000006", change)
     before = {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")}
-    run = cli("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
-              "train.resume=true")
+    run = cli_here("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
+                   "train.resume=true")
     assert_user_error(run, "step_00000006", *fragments)
     assert {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")} == before
 
@@ -320,8 +320,8 @@ def test_flipped_bytes_in_a_table_record_are_refused_naming_the_file_and_the_int
     name, offset, length = _table_record(step6)
     _flip(step6 / name, offset + length // 2)
     before = _snapshot(run_dir)
-    resumed = cli("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
-                  "train.resume=true")
+    resumed = cli_here("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
+                       "train.resume=true")
     assert_user_error(resumed, f"step_00000006/{name}", "checksum", "intact checkpoints", "step_00000003")
     now = _snapshot(run_dir)
     assert {k: v for k, v in now.items() if not k.endswith(".log")} == \
@@ -378,8 +378,8 @@ def test_a_broken_checkpoint_is_one_line_and_writes_nothing(made, run_dir: Path,
 def test_a_deleted_metadata_at_the_cli_is_one_line_exit_2(made, run_dir: Path):
     (run_dir / "checkpoints" / "step_00000006" / ".metadata").unlink()
     before = {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")}
-    run = cli("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
-              "train.resume=true")
+    run = cli_here("train", *RUN_ARGS, "train.max_steps=8", f"data.root={made[0]}", f"train.output_dir={run_dir}",
+                   "train.resume=true")
     assert_user_error(run, ".metadata", "step_00000006", "step_00000003")
     assert {k: v for k, v in _snapshot(run_dir).items() if not k.endswith(".log")} == before
 

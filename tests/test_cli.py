@@ -81,6 +81,42 @@ def cli(*args: str, cwd: Optional[Path] = None, tty: bool = False, script: Optio
     return Run(proc.returncode, out.decode(), b"".join(chunks).decode(errors="replace"))
 
 
+def cli_here(*args: str) -> Run:
+    """``cli`` in this process, for refusals that stop before any rank starts (a new
+    interpreter costs seconds of imports, torch's for a checkpoint check): the console
+    script's ``main`` with stdout and stderr captured, and the root logger as a new process
+    has it (no handlers: Hydra's, when it runs, write to the captured streams), so that a
+    stray log line is counted as it would be in a subprocess. The exit code is ``main``'s (or
+    its ``SystemExit``'s). A launch of ranks fails the test: their output would not be
+    captured here. The real console script's exit code 2 is checked in a subprocess by
+    test_user_mistake_is_one_line_and_exit_code_2 and the runs that use ``cli``."""
+    import contextlib
+    import io
+    import logging
+    from unittest import mock
+
+    from torchrec_proactive.cli import main
+
+    def no_ranks(*_: Any, **__: Any) -> None:
+        raise AssertionError(f"cli_here{args}: ranks were launched (use cli: a refusal before launch is expected)")
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers[:] = []
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                mock.patch("torchrec_proactive.launch.run_ranks", no_ranks):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:  # (argparse's, or Hydra's for an error inside its app)
+                rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return Run(rc, out.getvalue(), err.getvalue())
+
+
 def assert_user_error(run: Run, *fragments: str) -> str:
     """Exit code 2, no traceback, and one line naming it all (besides argparse's usage lines
     and the run's own log lines, when ranks had started)."""
