@@ -81,13 +81,13 @@ def cli(*args: str, cwd: Optional[Path] = None, tty: bool = False, script: Optio
     return Run(proc.returncode, out.decode(), b"".join(chunks).decode(errors="replace"))
 
 
-def cli_here(*args: str) -> Run:
+def cli_here(*args: str, cwd: Optional[Path] = None) -> Run:
     """``cli`` in this process, for refusals that stop before any rank starts (a new
     interpreter costs seconds of imports, torch's for a checkpoint check): the console
     script's ``main`` with stdout and stderr captured, and the root logger as a new process
     has it (no handlers: Hydra's, when it runs, write to the captured streams), so that a
     stray log line is counted as it would be in a subprocess. The exit code is ``main``'s (or
-    its ``SystemExit``'s). A launch of ranks fails the test: their output would not be
+    its ``SystemExit``'s); ``cwd``: the directory it runs in (restored after). A launch of ranks fails the test: their output would not be
     captured here. The real console script's exit code 2 is checked in a subprocess by
     test_user_mistake_is_one_line_and_exit_code_2 and the runs that use ``cli``."""
     import contextlib
@@ -101,10 +101,11 @@ def cli_here(*args: str) -> Run:
         raise AssertionError(f"cli_here{args}: ranks were launched (use cli: a refusal before launch is expected)")
 
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, start = root.handlers[:], root.level, os.getcwd()
     root.handlers[:] = []
     out, err = io.StringIO(), io.StringIO()
     try:
+        os.chdir(cwd or REPO)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                 mock.patch("torchrec_proactive.launch.run_ranks", no_ranks):
             try:
@@ -112,6 +113,7 @@ def cli_here(*args: str) -> Run:
             except SystemExit as e:  # (argparse's, or Hydra's for an error inside its app)
                 rc = e.code if isinstance(e.code, int) else int(e.code is not None)
     finally:
+        os.chdir(start)
         root.handlers[:] = handlers
         root.setLevel(level)
     return Run(rc, out.getvalue(), err.getvalue())
@@ -275,7 +277,7 @@ def test_gen_data_then_train_runs_refuses_overwrite_and_resumes_a_finished_run(t
     __import__("shutil").rmtree(out / "launches")
 
     # a fresh run into the same directory is refused before it touches anything
-    again = cli("train", *TINY, "train.max_steps=3", f"data.root={data}", f"train.output_dir={out}")
+    again = cli_here("train", *TINY, "train.max_steps=3", f"data.root={data}", f"train.output_dir={out}")
     assert_user_error(again, "train.output_dir=", str(out), "step 6", "train.resume=true")
     assert (out / "checkpoints" / "LATEST").read_text() == "step_00000006"
     assert (out / "rank_0" / "metrics.jsonl").read_text() == metrics
