@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import cli
+from tests.test_cli import cli, cli_here
 
 
 def test_an_uncreatable_tier_dir_is_one_line_and_exit_2(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    run = cli("train", "--nproc", "1", "experiment=ci_tiny", "tier=ssd", f"tier.dir={blocker / 'tier'}",
-              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'out'}")
+    run = cli_here("train", "--nproc", "1", "experiment=ci_tiny", "tier=ssd", f"tier.dir={blocker / 'tier'}",
+                   f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'out'}")
     assert run.rc == 2, run
     lines = [ln for ln in run.err.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "tier.dir=" in lines[0] and str(blocker) in lines[0], run
@@ -23,8 +23,8 @@ def test_an_uncreatable_tier_dir_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_tier_ssd_needs_a_proactive_kernel(tmp_path: Path) -> None:
-    run = cli("train", "--nproc", "1", "experiment=ci_tiny", "tier=ssd", "sharding.kernel=fused", "prefetch=off",
-              f"tier.dir={tmp_path / 't'}", f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
+    run = cli_here("train", "--nproc", "1", "experiment=ci_tiny", "tier=ssd", "sharding.kernel=fused", "prefetch=off",
+                   f"tier.dir={tmp_path / 't'}", f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
     assert run.rc == 2 and "tier.kind" in run.err and "sharding.kernel" in run.err, run
 
 
@@ -75,6 +75,6 @@ def test_a_host_cache_too_small_for_the_depths_names_tier_host_cache_mb(tmp_path
 
 
 def test_tier_disk_depth_needs_tier_ssd(tmp_path: Path) -> None:
-    run = cli("train", "--nproc", "1", "experiment=ci_tiny", "tier.disk_depth=4",
-              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
+    run = cli_here("train", "--nproc", "1", "experiment=ci_tiny", "tier.disk_depth=4",
+                   f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
     assert run.rc == 2 and "tier.disk_depth" in run.err and "tier=ssd" in run.err, run
