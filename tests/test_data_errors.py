@@ -12,7 +12,7 @@ from typing import List
 import numpy as np
 import pytest
 
-from tests.test_cli import TINY, assert_user_error, cli
+from tests.test_cli import TINY, assert_user_error, cli, cli_here
 from torchrec_proactive.app.data import check_split, hash_to_tables
 from torchrec_proactive.app.errors import ConfigError, UserError
 from torchrec_proactive.app.preflight import check_data_files, check_resume
@@ -232,7 +232,7 @@ def test_cli_refuses_a_truncated_npy_before_any_rank_starts(tmp_path: Path) -> N
     _write_npy_days(tmp_path / "root", [300, 300])
     labels = tmp_path / "root" / "day_0_labels.npy"
     labels.write_bytes(labels.read_bytes()[:200])
-    run = cli("train", *TINY, "data=criteo_terabyte", f"data.root={tmp_path / 'root'}", "data.num_days=2",
-              f"train.output_dir={tmp_path / 'out'}")
+    run = cli_here("train", *TINY, "data=criteo_terabyte", f"data.root={tmp_path / 'root'}", "data.num_days=2",
+                   f"train.output_dir={tmp_path / 'out'}")
     assert_user_error(run, str(labels), "is truncated")
     assert "[rank " not in run.err and not (tmp_path / "out").exists(), run  # no rank started
