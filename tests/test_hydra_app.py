@@ -17,7 +17,7 @@ from typing import List
 
 import pytest
 
-from tests.test_cli import TINY, assert_user_error, cli
+from tests.test_cli import TINY, assert_user_error, cli, cli_here
 from torchrec_proactive.app.compose import compose_config
 from torchrec_proactive.app.errors import ConfigError
 
@@ -198,11 +198,11 @@ def test_hydra_run_dir_and_chdir_are_honoured(tmp_path: Path) -> None:
     # the run directory belongs to that run: a fresh run there is refused, one line, exit code 2,
     # and nothing is written before the refusal (Hydra's record of the run stays that run's)
     record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
-    again = cli("train", *TINY, "train.max_steps=2", "train.log_every=1", "data.root=rel_data",
-                f"hydra.run.dir={run_dir}", cwd=start)
+    again = cli_here("train", *TINY, "train.max_steps=2", "train.log_every=1", "data.root=rel_data",
+                     f"hydra.run.dir={run_dir}", cwd=start)
     assert_user_error(again, "train.output_dir=", str(run_dir), "train.resume=true")
-    changed = cli("train", *TINY, "train.max_steps=4", "optimizer=adam", "train.resume=true", "data.root=rel_data",
-                  f"hydra.run.dir={run_dir}", cwd=start)
+    changed = cli_here("train", *TINY, "train.max_steps=4", "optimizer=adam", "train.resume=true",
+                       "data.root=rel_data", f"hydra.run.dir={run_dir}", cwd=start)
     assert_user_error(changed, "cannot resume", "optimizer.")
     assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == record
 
