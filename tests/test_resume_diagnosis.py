@@ -21,7 +21,7 @@ import pytest
 from torchrec_proactive.launch import run_ranks
 
 from . import checkpoint_worker
-from .test_cli import TINY, assert_user_error, cli
+from .test_cli import TINY, assert_user_error, cli, cli_here
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,7 +75,7 @@ def test_the_cli_refuses_a_column_wise_resume_of_row_wise_adagrad_before_launch(
     first = cli("train", *args, "train.max_steps=4")
     assert first.rc == 0, first
     before = _snapshot(out)
-    refused = cli("train", "--nproc", "2", *args, "train.resume=true", "sharding.type=column_wise")
+    refused = cli_here("train", "--nproc", "2", *args, "train.resume=true", "sharding.type=column_wise")
     line = assert_user_error(refused, "step_00000004", "optimizer.embedding='rowwise_adagrad'",
                              "sharding.type='table_wise'", "sharding.type='column_wise' on 2 rank(s)")
     _says_what_it_is(line, "t_cat_0")
