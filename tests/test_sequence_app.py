@@ -226,9 +226,15 @@ def _scenario(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     rank_main(rank, world_size, "train", base + [f"train.output_dir={root}/B", f"train.max_steps={STOP}"])
     c = rank_main(rank, world_size, "train", base + [f"train.output_dir={root}/B", "train.resume=true",
                                                      "prefetch.depth=1"])
+    # test_compare_ends_bit_identical's compare, in the same launch (what `compare --nproc 2` runs
+    # on each rank; the CLI prints rank 0's result with compare.format_table)
+    compare = rank_main(rank, world_size, "compare", [
+        "experiment=ci_tiny", "model=sequence", "train.eval=false", "train.max_steps=12", f"data.root={root}/data",
+        f"train.output_dir={root}/cmp"])
     return {"ec_type": type(ec).__name__, "ec_stats": ec_stats, "tables": tables, "evals_a": summary.evals,
             "evals_c": c["evals"], "losses_a": _losses(Path(root) / "A", rank),
-            "losses_c": _losses(Path(root) / "B", rank), "cache_slots": summary.cache_slots}
+            "losses_c": _losses(Path(root) / "B", rank), "cache_slots": summary.cache_slots,
+            "compare": compare, "compare_dir": f"{root}/cmp"}
 
 
 @pytest.fixture(scope="module")
@@ -267,13 +273,10 @@ def test_a_resumed_run_continues_it_bit_identically(ranks: List[Dict[str, Any]])
 
 
 @pytest.mark.multiprocess
-def test_compare_ends_bit_identical(tmp_path: Path):
-    from tests.test_cli import cli
+def test_compare_ends_bit_identical(ranks: List[Dict[str, Any]]):
+    from torchrec_proactive.app.compare import format_table
 
-    out = tmp_path / "cmp"
-    run = cli("compare", "--nproc", "2", "experiment=ci_tiny", "model=sequence", "train.eval=false",
-              "train.max_steps=12", f"data.root={tmp_path / 'data'}", f"train.output_dir={out}")
-    assert run.rc == 0, run
-    assert "final parameters bit-identical: yes" in run.out, run
-    doc = json.loads((out / "compare.json").read_text())
+    table = format_table(ranks[0]["compare"])  # what `torchrec-proactive compare` prints
+    assert "final parameters bit-identical: yes" in table, table
+    doc = json.loads((Path(ranks[0]["compare_dir"]) / "compare.json").read_text())
     assert doc["cache_slots"]["reactive"]["t_history"] == doc["cache_slots"]["proactive"]["t_history"] > 0
