@@ -48,16 +48,23 @@ def test_a_run_on_ssd_resumes_with_another_host_cache(tmp_path: Path) -> None:
     time); a resume with another host cache size continues exactly where the run stopped."""
     import json
 
-    common = ["--nproc", "1", "experiment=ci_tiny", "tier=ssd", f"tier.dir={tmp_path / 'nvme'}", "train.eval=false",
-              f"data.root={tmp_path / 'data'}"]
-    first = cli("train", *common, "train.epochs=1", "tier.host_cache_mb=0.016", f"train.output_dir={tmp_path / 'a'}")
-    assert first.rc == 0, first
-    resumed = cli("train", *common, "train.epochs=2", "train.resume=true", "tier.host_cache_mb=0.05",
-                  f"train.output_dir={tmp_path / 'a'}")
-    assert resumed.rc == 0 and "resumed from" in resumed.err, resumed
-    straight = cli("train", *common, "train.epochs=2", "tier.host_cache_mb=0.016", f"train.output_dir={tmp_path / 'b'}")
+    from concurrent.futures import ThreadPoolExecutor
+
+    def common(run: str) -> list:
+        return ["--nproc", "1", "experiment=ci_tiny", "tier=ssd", f"tier.dir={tmp_path / run / 'nvme'}",
+                "train.eval=false", f"data.root={tmp_path / run / 'data'}", f"train.output_dir={tmp_path / run / 'out'}"]
+
+    # The uninterrupted run needs nothing of the other: it runs beside it, each on its own core
+    # (1 rank each; its own data.root and tier.dir, the same generated data set).
+    with ThreadPoolExecutor(1) as beside:
+        later = beside.submit(cli, "train", *common("b"), "train.epochs=2", "tier.host_cache_mb=0.016")
+        first = cli("train", *common("a"), "train.epochs=1", "tier.host_cache_mb=0.016")
+        assert first.rc == 0, first
+        resumed = cli("train", *common("a"), "train.epochs=2", "train.resume=true", "tier.host_cache_mb=0.05")
+        assert resumed.rc == 0 and "resumed from" in resumed.err, resumed
+        straight = later.result()
     assert straight.rc == 0, straight
-    a, b = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("a", "b"))
+    a, b = (json.loads((tmp_path / d / "out" / "result.json").read_text()) for d in ("a", "b"))
     assert a["steps"] == b["steps"] and a["train_loss"] == b["train_loss"], (a, b)
 
 
