@@ -1,8 +1,10 @@
 """TorchRec integration on 2 gloo ranks: exactness vs stock TorchRec, ordering, drain, interop.
 
-The cases of one parametrized test run in one launch (a module fixture): starting 2 ranks -
-spawning, importing torch and TorchRec, the process group - takes ~10 s on 2 cores, more
-than most of these checks. A case that raises fails its own test only.
+The 2-rank cases of this module run in one launch (the module fixture ``launched``; each
+test's fixture is its view of it): starting 2 ranks - spawning, importing torch and
+TorchRec, the process group - takes ~10 s on 2 cores, more than most of these checks. A case
+that raises fails its own test only. (test_modules_on_different_ranks_keep_the_collectives_in_step
+keeps a launch of its own: the hang it guards against would stop every case of a shared one.)
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 from torchrec_proactive.launch import run_ranks
 
 from . import exactness_worker, pipeline_worker
+from .cases_worker import call as _call
 from .cases_worker import launch_cases as _launch_cases
 from .cases_worker import ok as _ok
 
@@ -47,11 +50,49 @@ def _check_matrix(results, n_runs):
     return results
 
 
+def _cases():
+    """(key, cases_worker.call's kwargs) of every case the module's one 2-rank launch runs."""
+    return [
+        *((("any_cache", name), dict(fn=exactness_worker.matrix, sharding=SHARDINGS[name],
+                                     optimizers=["rowwise_adagrad"], depths=DEPTHS, caches=LOAD_FACTORS))
+          for name in SHARDINGS),
+        *((("device_planner", case), dict(fn=exactness_worker.matrix, sharding=SHARDINGS[case[0]],
+                                          optimizers=["rowwise_adagrad"], depths=DEVICE_DEPTHS, caches=DEVICE_CACHES,
+                                          planner="device", one_id_per_bag=case[1], weighted=case[2]))
+          for case in DEVICE_PLANNER),
+        *((("one_id", case), dict(fn=exactness_worker.matrix, sharding=SHARDINGS[case[0]],
+                                  optimizers=["rowwise_adagrad"], depths=[0, 2, 8], caches=[0.005, 1.0],
+                                  one_id_per_bag=True, weighted=case[1], pooling=case[2]))
+          for case in ONE_ID),
+        ("every_optimizer", dict(fn=exactness_worker.matrix, sharding="row_wise",
+                                 optimizers=["sgd", "adagrad", "adam"], depths=[0, 2, 8], caches=[0.005, 1.0])),
+        *((("ordering", depth), dict(fn=pipeline_worker.ordering, depth=depth, steps=8)) for depth in (1, 3)),
+        *((("drain", case), dict(fn=pipeline_worker.drain, num_batches=case[0], depth=case[1])) for case in DRAINS),
+        ("eval_and_stop_early", dict(fn=pipeline_worker.eval_and_stop_early)),
+        *((("interop", s), dict(fn=pipeline_worker.state_dict_interop, sharding=s)) for s in ("row_wise", "column_wise")),
+        *((("resume", o), dict(fn=pipeline_worker.checkpoint_resume, optimizer=o)) for o in ("rowwise_adagrad", "adam")),
+        ("planner_auto", dict(fn=exactness_worker.planner_auto)),
+        *((("weighted", s), dict(fn=exactness_worker.weighted_features, sharding=s)) for s in ("table_wise", "row_wise")),
+        ("deferred_prepare_once", dict(fn=pipeline_worker.deferred_batches_prepare_once)),
+        *((("turns", case), dict(fn=pipeline_worker.interleaved_validation, load_factor=case[0], validation=case[1],
+                                 planner=case[2])) for case in TURNS),
+        ("leaked_pins", dict(fn=pipeline_worker.leaked_pins)),
+    ]
+
+
 @pytest.fixture(scope="module")
-def any_cache_runs():
-    return _launch_cases(exactness_worker.matrix, list(SHARDINGS), [
-        dict(sharding=SHARDINGS[name], optimizers=["rowwise_adagrad"], depths=DEPTHS, caches=LOAD_FACTORS)
-        for name in SHARDINGS])
+def launched():
+    cases = _cases()
+    return _launch_cases(_call, [key for key, _ in cases], [kwargs for _, kwargs in cases])
+
+
+def _view(launched, kind: str, keys) -> dict:
+    return {key: launched[(kind, key)] for key in keys}
+
+
+@pytest.fixture(scope="module")
+def any_cache_runs(launched):
+    return _view(launched, "any_cache", SHARDINGS)
 
 
 @pytest.mark.parametrize("name", list(SHARDINGS))
@@ -81,11 +122,8 @@ DEVICE_DEPTHS, DEVICE_CACHES = [0, 2, 8], [0.005, 0.1, 1.0]
 
 
 @pytest.fixture(scope="module")
-def device_planner_runs():
-    return _launch_cases(exactness_worker.matrix, DEVICE_PLANNER, [
-        dict(sharding=SHARDINGS[name], optimizers=["rowwise_adagrad"], depths=DEVICE_DEPTHS, caches=DEVICE_CACHES,
-             planner="device", one_id_per_bag=one_id_per_bag, weighted=weighted)
-        for name, one_id_per_bag, weighted in DEVICE_PLANNER])
+def device_planner_runs(launched):
+    return _view(launched, "device_planner", DEVICE_PLANNER)
 
 
 @pytest.mark.parametrize("name,one_id_per_bag,weighted", DEVICE_PLANNER)
@@ -104,11 +142,8 @@ ONE_ID = [("table_wise", True, "sum"), ("column_wise", False, "mean"), ("row_wis
 
 
 @pytest.fixture(scope="module")
-def one_id_runs():
-    return _launch_cases(exactness_worker.matrix, ONE_ID, [
-        dict(sharding=SHARDINGS[name], optimizers=["rowwise_adagrad"], depths=[0, 2, 8], caches=[0.005, 1.0],
-             one_id_per_bag=True, weighted=weighted, pooling=pooling)
-        for name, weighted, pooling in ONE_ID])
+def one_id_runs(launched):
+    return _view(launched, "one_id", ONE_ID)
 
 
 @pytest.mark.parametrize("name,weighted,pooling", ONE_ID)
@@ -119,11 +154,9 @@ def test_one_id_per_feature_is_exact_vs_stock(one_id_runs, name, weighted, pooli
     _check_matrix(_ok(one_id_runs[(name, weighted, pooling)]), n_runs=3 * 2)
 
 
-def test_every_optimizer_is_exact_across_depths_and_caches():
-    results = _check_matrix(run_ranks(
-        exactness_worker.matrix, world_size=2, timeout_s=600, sharding="row_wise",
-        optimizers=["sgd", "adagrad", "adam"], depths=[0, 2, 8], caches=[0.005, 1.0],
-    ), n_runs=3 * 3 * 2)
+def test_every_optimizer_is_exact_across_depths_and_caches(launched):
+    # (row_wise, sgd/adagrad/adam, depths 0, 2, 8, caches 0.005 and 1.0: see _cases)
+    results = _check_matrix(_ok(launched["every_optimizer"]), n_runs=3 * 3 * 2)
     for res in results:
         adam_runs = [k for k in res["runs"] if k.startswith("adam")]
         assert adam_runs and all("max_param_diff_vs_stock" not in res["runs"][k] for k in adam_runs)
@@ -142,8 +175,8 @@ def test_full_matrix_every_optimizer_sharding_cache_and_depth(name):
 
 
 @pytest.fixture(scope="module")
-def orderings():
-    return _launch_cases(pipeline_worker.ordering, [1, 3], [dict(depth=1, steps=8), dict(depth=3, steps=8)])
+def orderings(launched):
+    return _view(launched, "ordering", [1, 3])
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -174,8 +207,8 @@ DRAINS = [(0, 2), (1, 2), (2, 4), (3, 2)]
 
 
 @pytest.fixture(scope="module")
-def drains():
-    return _launch_cases(pipeline_worker.drain, DRAINS, [dict(num_batches=n, depth=d) for n, d in DRAINS])
+def drains(launched):
+    return _view(launched, "drain", DRAINS)
 
 
 @pytest.mark.parametrize("num_batches,depth", DRAINS)
@@ -184,15 +217,14 @@ def test_drain_with_fewer_batches_than_pipeline_depth(drains, num_batches, depth
         assert res == {"n": num_batches, "n2": num_batches}
 
 
-def test_eval_and_early_stop_leak_no_pins():
-    for res in run_ranks(pipeline_worker.eval_and_stop_early, world_size=2):
+def test_eval_and_early_stop_leak_no_pins(launched):
+    for res in _ok(launched["eval_and_stop_early"]):
         assert res["eval_n"] == 6 and res["unchanged"]
 
 
 @pytest.fixture(scope="module")
-def interops():
-    shardings = ["row_wise", "column_wise"]
-    return _launch_cases(pipeline_worker.state_dict_interop, shardings, [dict(sharding=s) for s in shardings])
+def interops(launched):
+    return _view(launched, "interop", ["row_wise", "column_wise"])
 
 
 @pytest.mark.parametrize("sharding", ["row_wise", "column_wise"])
@@ -203,9 +235,8 @@ def test_state_dict_round_trip_with_stock_torchrec(interops, sharding):
 
 
 @pytest.fixture(scope="module")
-def resumes():
-    optimizers = ["rowwise_adagrad", "adam"]
-    return _launch_cases(pipeline_worker.checkpoint_resume, optimizers, [dict(optimizer=o) for o in optimizers])
+def resumes(launched):
+    return _view(launched, "resume", ["rowwise_adagrad", "adam"])
 
 
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
@@ -214,16 +245,15 @@ def test_model_and_optimizer_state_dicts_resume_bit_identically(resumes, optimiz
         assert res["outputs_equal"] and res["params_equal"], res
 
 
-def test_torchrec_planner_auto_plan_on_cpu():
-    for res in run_ranks(exactness_worker.planner_auto, world_size=2):
+def test_torchrec_planner_auto_plan_on_cpu(launched):
+    for res in _ok(launched["planner_auto"]):
         assert res["kernels"] == ["fused_uvm_caching"] and res["n_proactive_kernels"] >= 1
         assert res["max_param_diff"] < 1e-5 and res["max_out_diff"] < 1e-5
 
 
 @pytest.fixture(scope="module")
-def weighted_runs():
-    shardings = ["table_wise", "row_wise"]
-    return _launch_cases(exactness_worker.weighted_features, shardings, [dict(sharding=s) for s in shardings])
+def weighted_runs(launched):
+    return _view(launched, "weighted", ["table_wise", "row_wise"])
 
 
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
@@ -232,8 +262,8 @@ def test_weighted_features_match_stock(weighted_runs, sharding):
         assert res["n"] == 5 and res["max_param_diff"] < 1e-5 and res["max_out_diff"] < 1e-5, res
 
 
-def test_a_deferred_prefetch_is_prepared_once_and_retried_on_the_store_only():
-    for res in run_ranks(pipeline_worker.deferred_batches_prepare_once, world_size=2):
+def test_a_deferred_prefetch_is_prepared_once_and_retried_on_the_store_only(launched):
+    for res in _ok(launched["deferred_prepare_once"]):
         once = res["kernels"] * res["steps"]
         assert res["stats"]["deferred_batches"] > 0, res  # the cache really made prefetches wait
         assert res["calls"]["prepare"] == once, res
@@ -246,9 +276,8 @@ TURNS = [(0.01, "proactive", "host"), (0.1, "proactive", "host"), (0.01, "stock_
 
 
 @pytest.fixture(scope="module")
-def turns():
-    return _launch_cases(pipeline_worker.interleaved_validation, TURNS,
-                         [dict(load_factor=lf, validation=v, planner=p) for lf, v, p in TURNS])
+def turns(launched):
+    return _view(launched, "turns", TURNS)
 
 
 @pytest.mark.parametrize("load_factor,validation,planner", TURNS)
@@ -262,8 +291,8 @@ def test_pipelines_take_turns_on_one_model_as_in_stock(turns, load_factor, valid
             assert res["stats"]["overflow_rows"] > 0 and res["stats"]["rows_written_back"] > 0, res["stats"]
 
 
-def test_no_pin_outlives_its_batch_and_loads_apply_mid_flight():
-    for res in run_ranks(pipeline_worker.leaked_pins, world_size=2):
+def test_no_pin_outlives_its_batch_and_loads_apply_mid_flight(launched):
+    for res in _ok(launched["leaked_pins"]):
         # Six forwards whose loss was dropped pin nothing more than the last one, whose graph
         # DDP keeps until the next forward (it used to be all six: 153 of 200 slots).
         assert res["in_flight_after_peeks"] <= 1 and res["pins_after_peeks"] < res["slots"] // 2, res
