@@ -12,7 +12,7 @@ from torchrec_proactive.launch import RankFailure, run_ranks
 from torchrec_proactive.store import IdOutOfRangeError, InvalidInputError
 
 from . import reliability_worker as rw
-from .cases_worker import launch_cases, ok
+from .cases_worker import call, launch_cases, ok
 
 CONFIGS = [
     EmbeddingBagConfig(name="users", embedding_dim=8, num_embeddings=100, feature_names=["user", "friend"]),
@@ -88,9 +88,20 @@ BAD_IDS = [("table_wise", 300), ("row_wise", -1), ("row_wise", 10**6)]
 
 
 @pytest.fixture(scope="module")
-def bad_id_runs():
-    """The three cases in one launch (starting 2 ranks costs more than a case)."""
-    return launch_cases(rw.bad_ids, BAD_IDS, [dict(sharding=sharding, value=value) for sharding, value in BAD_IDS])
+def launched():
+    """Every 2-rank case of this module that ends in results, in one launch (starting 2 ranks
+    costs more than a case); the cases that fail the launch on purpose start their own."""
+    cases = [*((case, dict(fn=rw.bad_ids, sharding=case[0], value=case[1])) for case in BAD_IDS),
+             ("recovery_is_exact", dict(fn=rw.recovery_is_exact)),
+             ("empty_batches", dict(fn=rw.empty_batches)),
+             ("capacity_too_small", dict(fn=rw.capacity_too_small)),
+             ("dataloader_fails", dict(fn=rw.dataloader_fails))]
+    return launch_cases(call, [key for key, _ in cases], [kwargs for _, kwargs in cases], timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def bad_id_runs(launched):
+    return {case: launched[case] for case in BAD_IDS}
 
 
 @pytest.mark.multiprocess
@@ -113,21 +124,21 @@ def test_bad_id_on_one_rank_fails_the_job_naming_that_rank():
 
 
 @pytest.mark.multiprocess
-def test_nan_dense_batch_is_refused_and_recovery_is_exact():
-    for res in run_ranks(rw.recovery_is_exact, world_size=2):
+def test_nan_dense_batch_is_refused_and_recovery_is_exact(launched):
+    for res in ok(launched["recovery_is_exact"]):
         assert res["error"] and "batch 4" in res["error"] and "NaN or Inf" in res["error"]
         assert res["equal"], res
 
 
 @pytest.mark.multiprocess
-def test_empty_batches_and_a_rank_without_ids_match_stock():
-    for res in run_ranks(rw.empty_batches, world_size=2):
+def test_empty_batches_and_a_rank_without_ids_match_stock(launched):
+    for res in ok(launched["empty_batches"]):
         assert res["n"] == 6 and res["max_diff"] < 1e-5 and res["out_diff"] < 1e-5
 
 
 @pytest.mark.multiprocess
-def test_cache_too_small_for_depth_still_trains_exactly_counts_and_warns_once():
-    results = run_ranks(rw.capacity_too_small, world_size=2, timeout_s=300)
+def test_cache_too_small_for_depth_still_trains_exactly_counts_and_warns_once(launched):
+    results = ok(launched["capacity_too_small"])
     for res in results:
         assert res["n"] == 8 and res["bitwise"], res
         # the table owner's rank waited for pins, and served what never fit from the host tier
@@ -171,6 +182,6 @@ def test_a_rank_killed_mid_training_fails_the_job_with_its_cause(sigkill, cause)
 
 
 @pytest.mark.multiprocess
-def test_failing_dataloader_drains_without_leaking_pins():
-    for res in run_ranks(rw.dataloader_fails, world_size=2):
+def test_failing_dataloader_drains_without_leaking_pins(launched):
+    for res in ok(launched["dataloader_fails"]):
         assert res == {"error": "dataloader worker crashed", "pins": 0}
