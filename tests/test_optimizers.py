@@ -278,16 +278,32 @@ def test_fp16_update_with_the_cuda_rule_rounds_the_fp32_result_once():
 
 
 # ---------------------------------------------------------------- against stock TorchRec
+STOCK_OPTIMS = ["exact_sgd", "exact_adagrad", "exact_row_wise_adagrad"]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """The module's 1-rank cases in one launch (starting a rank costs more than a case)."""
+    from .cases_worker import call, launch_cases
+
+    cases = [*((optim, dict(fn=optimizer_worker.train_vs_stock, lr_gamma=0.5, hyper={"eps": 1e-2, "weight_decay": 0.5},
+                            fused={"optimizer": optim, "learning_rate": 0.05, "eps": 1e-3, "weight_decay": 0.3,
+                                   "gradient_clipping": True, "max_gradient": 0.002}))
+               for optim in STOCK_OPTIMS),
+             *((("adam_counter", between), dict(fn=optimizer_worker.adam_counter, eval_between=between))
+               for between in (True, False))]
+    return launch_cases(call, [key for key, _ in cases], [kwargs for _, kwargs in cases], world_size=1)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("optim", ["exact_sgd", "exact_adagrad", "exact_row_wise_adagrad"])
-def test_weight_decay_clipping_and_lr_scheduler_match_stock_torchrec(optim):
+@pytest.mark.parametrize("optim", STOCK_OPTIMS)
+def test_weight_decay_clipping_and_lr_scheduler_match_stock_torchrec(one_rank, optim):
     """fused_params with weight_decay=0.3, gradient clipping, a StepLR over the combined
     optimizer and ``update_hyper_parameters`` (eps, weight_decay) mid-run: the same logits
     every step and the same tables and state as stock TorchRec (1 rank)."""
-    fused = {"optimizer": optim, "learning_rate": 0.05, "eps": 1e-3, "weight_decay": 0.3,
-             "gradient_clipping": True, "max_gradient": 0.002}
-    (res,) = run_ranks(optimizer_worker.train_vs_stock, world_size=1, fused=fused, lr_gamma=0.5,
-                       hyper={"eps": 1e-2, "weight_decay": 0.5})
+    from .cases_worker import ok
+
+    (res,) = ok(one_rank[optim])
     assert res["steps"] == 10 and res["same_keys"]
     assert res["out_diff"] < 1e-6 and res["table_diff"] < 1e-6 and res["state_diff"] < 1e-6, res
     assert res["lrs"] == pytest.approx(res["stock_lrs"]) and res["lrs"][0] == pytest.approx(0.05 * 0.5**5)
@@ -310,8 +326,10 @@ def test_fp16_tables_match_stock_torchrec_on_two_ranks():
 
 
 @pytest.mark.multiprocess
-def test_adam_step_counter_advances_on_every_forward():
-    (a,) = run_ranks(optimizer_worker.adam_counter, world_size=1, eval_between=True)
-    (b,) = run_ranks(optimizer_worker.adam_counter, world_size=1, eval_between=False)
+def test_adam_step_counter_advances_on_every_forward(one_rank):
+    from .cases_worker import ok
+
+    (a,) = ok(one_rank[("adam_counter", True)])
+    (b,) = ok(one_rank[("adam_counter", False)])
     assert a["steps"] and all(s == 3 for s in a["steps"]), a["steps"]
     assert a["params"] == b["params"]
