@@ -19,6 +19,8 @@ from torchrec_proactive.fetch.lookahead import run_lookahead
 from torchrec_proactive.store import OptimizerConfig, OptimType, TieredTable, pooled_lookup, row_file
 from torchrec_proactive.store.row_file import DiskTierError
 
+from .io_faults import inject, io_backend  # noqa: F401 (a fixture)
+
 ROWS, DIM, STEPS = 3000, 8, 20
 CONFIG = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05)
 RECORD = 4 * DIM + 8
@@ -131,22 +133,21 @@ def test_a_directory_that_cannot_hold_the_file_is_one_line(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("depth, disk_depth", [(0, 0), (1, 4)])
 def test_a_full_disk_mid_run_loses_nothing_and_a_resumed_run_is_exact(tmp_path, monkeypatch, dram_rows, depth,
-                                                                      disk_depth):
+                                                                      disk_depth, io_backend):
     table = _disk_table(tmp_path)
-    real = os.pwritev
+    assert table.disk.file.io_backend == io_backend
     calls = [0]
 
-    def full_after_some(fd, buffers, offset):
+    def full_after_some(offset, got):
         calls[0] += 1
         if calls[0] > 40:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, buffers, offset)
+        return got
 
-    orphans = []
+    orphans, ended = [], []
     try:
-        err = _faulty_run(table, lambda: monkeypatch.setattr(row_file.os, "pwritev", full_after_some),
-                          lambda: (orphans.append(table.disk.stats()["orphan_rows"]),
-                                   monkeypatch.setattr(row_file.os, "pwritev", real)), depth, disk_depth)
+        err = _faulty_run(table, lambda: ended.append(inject(monkeypatch, io_backend, write=full_after_some)),
+                          lambda: (orphans.append(table.disk.stats()["orphan_rows"]), ended[0]()), depth, disk_depth)
         _one_line(err, table, "write failed at byte", "the disk is full")
         assert orphans[0] > 0  # the records whose write failed, kept in DRAM...
         s = table.disk.stats()
@@ -158,22 +159,22 @@ def test_a_full_disk_mid_run_loses_nothing_and_a_resumed_run_is_exact(tmp_path, 
 
 
 @pytest.mark.parametrize("nth", [60, 150])
-def test_a_short_read_mid_run_is_one_line_and_a_resumed_run_is_exact(tmp_path, monkeypatch, dram_rows, nth):
+def test_a_short_read_mid_run_is_one_line_and_a_resumed_run_is_exact(tmp_path, monkeypatch, dram_rows, nth,
+                                                                     io_backend):
     table = _disk_table(tmp_path)
-    real = os.preadv
     calls = [0]
     lock = threading.Lock()
 
-    def short_once(fd, buffers, offset):
+    def short_once(offset, got):
         with lock:
             calls[0] += 1
             n = calls[0]
-        got = real(fd, buffers, offset)
         return got - 100 if n == nth else got
 
+    ended = []
     try:
-        err = _faulty_run(table, lambda: monkeypatch.setattr(row_file.os, "preadv", short_once),
-                          lambda: monkeypatch.setattr(row_file.os, "preadv", real))
+        err = _faulty_run(table, lambda: ended.append(inject(monkeypatch, io_backend, read=short_once)),
+                          lambda: ended[0]())
         _one_line(err, table, "short read at byte")
         got, want = re.search(r"short read at byte \d+: (\d+) of (\d+) bytes", str(err)).groups()
         assert int(want) - int(got) == 100

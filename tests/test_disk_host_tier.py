@@ -14,6 +14,8 @@ from torchrec_proactive.store import CacheCapacityError
 from torchrec_proactive.store.disk_host_tier import Component, DiskHostTier, record_layout
 from torchrec_proactive.store.row_file import DiskTierError, RowFile
 
+from .io_faults import inject, io_backend  # noqa: F401 (a fixture)
+
 COMPONENTS = [Component("weight", torch.float32, 12), Component("momentum1", torch.float32, 1)]
 
 
@@ -86,11 +88,10 @@ def test_pins_bound_eviction_and_a_refusal_changes_nothing(tmp_path):
     tier.close()
 
 
-def test_a_failed_read_is_reported_and_leaves_no_row_to_read(tmp_path, monkeypatch):
-    from torchrec_proactive.store import row_file
-
+def test_a_failed_read_is_reported_and_leaves_no_row_to_read(tmp_path, monkeypatch, io_backend):
     tier = _tier(tmp_path)
-    monkeypatch.setattr(row_file.os, "preadv", lambda fd, bufs, offset: 7)
+    assert tier.file.io_backend == io_backend
+    inject(monkeypatch, io_backend, read=lambda offset, got: 7)
     t = tier.prefetch(np.array([5]))
     with pytest.raises(DiskTierError, match="short read"):
         tier.wait(t)

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from torchrec_proactive.store import row_file
+from torchrec_proactive.store import glibc_aio, row_file
 from torchrec_proactive.store.disk_host_tier import Component, DiskHostTier, record_layout
 from torchrec_proactive.store.row_file import RowFile
+
+from .io_faults import inject, io_backend  # noqa: F401 (a fixture)
 
 COMPONENTS = [Component("weight", torch.float32, 12), Component("momentum1", torch.float32, 1)]
 RPP = 73  # rows per 4 KiB page of 56-byte records
@@ -53,6 +55,7 @@ def _values(rows, fill):
 
 @pytest.mark.parametrize("io_threads, parties", [(64, 30), (8, 8)])
 def test_the_reads_of_several_tickets_are_in_flight_together(tmp_path, monkeypatch, io_threads, parties):
+    monkeypatch.setenv("TORCHREC_PROACTIVE_DISK_IO", "threads")  # (one request a call: a barrier can count them)
     tier = _tier(tmp_path, io_threads=io_threads)
     try:
         _gated_preadv(monkeypatch, parties)
@@ -74,30 +77,62 @@ def test_the_reads_of_several_tickets_are_in_flight_together(tmp_path, monkeypat
         tier.close()
 
 
-def _gated_pwritev(monkeypatch, blocked_calls=1):
-    """``os.pwritev`` whose first ``blocked_calls`` calls wait for the returned event."""
-    real = os.pwritev
+@pytest.mark.skipif(not glibc_aio.available(), reason="glibc's POSIX AIO is Linux/glibc only")
+def test_with_aio_each_ticket_is_one_call_and_several_tickets_move_together(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHREC_PROACTIVE_DISK_IO", "aio")
+    tier = _tier(tmp_path, io_threads=64)
+    try:
+        batches = [np.arange(20 * b, 20 * b + 20, 2) * RPP for b in range(3)]
+        # A request of each ticket is heard of only once all three tickets' calls are in
+        # flight together: a barrier one call at a time cannot pass.
+        firsts = {int(rows[0] // RPP) * 4096 for rows in batches}
+        barrier = threading.Barrier(3, timeout=30)
+
+        def read(offset, got):
+            if offset in firsts:
+                barrier.wait()
+            return got
+
+        inject(monkeypatch, "aio", read=read)
+        calls = tier.file._aio.calls
+        tickets = [tier.prefetch(rows) for rows in batches]
+        for t in tickets:
+            tier.wait(t)
+            tier.release(t)
+        s = tier.stats()
+        assert tier.file._aio.calls == calls + 3 and tier.file._aio.requests_per_call_max == 10
+        assert (s["rows_read"], s["read_requests"], s["pages_read"]) == (30, 30, 30)
+        # (each call counts min(its requests, descriptors) in flight: three at once make 30)
+        assert s["reads_in_flight_max"] == 30
+        tier.check_invariants(expect_drained=True)
+    finally:
+        tier.close()
+
+
+def _gated_writes(monkeypatch, backend, blocked_calls=1):
+    """Writes whose first ``blocked_calls`` requests end only once the returned event is set
+    (the store hears of them then)."""
     gate = threading.Event()
     calls = [0]
 
-    def pwritev(fd, buffers, offset):
+    def write(offset, got):
         calls[0] += 1
         if calls[0] <= blocked_calls:
             assert gate.wait(30)
-        return real(fd, buffers, offset)
+        return got
 
-    monkeypatch.setattr(row_file.os, "pwritev", pwritev)
+    inject(monkeypatch, backend, write=write)
     return gate
 
 
-def test_a_row_evicted_dirty_reaches_its_page_before_a_later_read_of_it(tmp_path, monkeypatch):
+def test_a_row_evicted_dirty_reaches_its_page_before_a_later_read_of_it(tmp_path, monkeypatch, io_backend):
     tier = _tier(tmp_path, row_slots=4)
     try:
         t = tier.prefetch(np.array([0]))
         tier.wait(t)
         tier.scatter(torch.tensor([0]), _values([0], 1.5))
         tier.release(t)
-        gate = _gated_pwritev(monkeypatch)
+        gate = _gated_writes(monkeypatch, io_backend)
         # Four rows of other pages evict row 0 (dirty): its page's write hangs...
         t = tier.prefetch(np.array([1, 2, 3, 4]) * RPP)
         tier.wait(t)  # ...and this batch is ready all the same (the record was copied out)
@@ -115,7 +150,7 @@ def test_a_row_evicted_dirty_reaches_its_page_before_a_later_read_of_it(tmp_path
         tier.close()
 
 
-def test_two_write_backs_of_one_page_do_not_overwrite_each_other(tmp_path, monkeypatch):
+def test_two_write_backs_of_one_page_do_not_overwrite_each_other(tmp_path, monkeypatch, io_backend):
     tier = _tier(tmp_path, row_slots=2)
     try:
         t = tier.prefetch(np.array([0, 1]))  # two rows of page 0
@@ -123,7 +158,7 @@ def test_two_write_backs_of_one_page_do_not_overwrite_each_other(tmp_path, monke
         tier.scatter(torch.tensor([0, 1]), [torch.stack([torch.full((12,), 2.0), torch.full((12,), 3.0)]),
                                             torch.tensor([[2.0], [3.0]])])
         tier.release(t)
-        gate = _gated_pwritev(monkeypatch)
+        gate = _gated_writes(monkeypatch, io_backend)
         for row in (RPP, 2 * RPP):  # each evicts one of them: two read-modify-writes of page 0
             t = tier.prefetch(np.array([row]))
             tier.wait(t)

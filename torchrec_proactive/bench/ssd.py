@@ -42,7 +42,8 @@ from 6 rounds on, rates and ratios get 95% intervals from the per-round figures
 next would end the run after ``--time-budget-min``.
 
 JSON (``--json F``: ``F["ssd"]``): ``table_bytes``, ``host_cache_bytes``, ``o_direct`` (and
-``o_direct_fallback``: what was used instead), ``bit_identical`` (and ``bit_identity``: what
+``o_direct_fallback``: what was used instead), ``io_backend`` (``aio`` or ``threads``: see
+``store/row_file.py``), ``bit_identical`` (and ``bit_identity``: what
 was compared, runs that differed), the workload (``rows``, ``dim``, ``ids_per_step``,
 ``step_ms_emulated``, ...), ``disk_probe``, ``best``, ``ratios`` (best / depth_1, reactive,
 dram: value, interval, verdict), ``targets`` (met: true / false / null = not judged),
@@ -328,8 +329,10 @@ class _DiskWatch:
     def __init__(self, disk: Any) -> None:
         self.queued: Dict[int, Tuple[float, str, Any]] = {}  # seq -> (time, kind, ticket)
         self._io: List[Tuple[int, float, float, int]] = []  # (seq, start, end, rows read) per task
-        self.reads: List[Tuple[float, float]] = []
+        # Per call moving reads: (start, end, reads in flight during it, reads it moved).
+        self.reads: List[Tuple[float, float, int, int]] = []
         self.timed: List[str] = []
+        self.cap: Optional[int] = None  # reads in flight at most (the file's descriptors), where calls overlap
         queued, io, reads = self.queued, self._io, self.reads
         prefetch = getattr(disk, "prefetch", None)
         if prefetch is not None:
@@ -359,21 +362,41 @@ class _DiskWatch:
             self.timed.append("disk tickets' I/O")
             break
         file = disk.file
-        for name in ("read_run", "_read_run"):  # (one request, on an I/O thread)
-            read = getattr(file, name, None)
-            if read is None:
-                continue
+        read_runs = getattr(file, "read_runs", None)
+        if read_runs is not None:
+            # A call moves a share of a ticket's reads: all in flight together with the aio
+            # backend (up to the file's descriptors), one after another with threads.
+            together = getattr(file, "io_backend", "threads") == "aio"
+            lanes = int(getattr(getattr(file, "_aio", None), "lanes", 0) or getattr(file, "io_threads", 1))
+            self.cap = lanes
 
-            def timed_read(*args: Any, _read: Any = read) -> None:
+            def timed_reads(buffer: Any, runs: Any, _read: Any = read_runs) -> Any:
                 t0 = time.perf_counter()
                 try:
-                    _read(*args)
+                    return _read(buffer, runs)
                 finally:
-                    reads.append((t0, time.perf_counter()))
+                    n = len(runs)
+                    if n:
+                        reads.append((t0, time.perf_counter(), min(n, lanes) if together else 1, n))
 
-            setattr(file, name, timed_read)
+            file.read_runs = timed_reads
             self.timed.append("read requests")
-            break
+        else:
+            for name in ("read_run", "_read_run"):  # (one request, on an I/O thread)
+                read = getattr(file, name, None)
+                if read is None:
+                    continue
+
+                def timed_read(*args: Any, _read: Any = read) -> None:
+                    t0 = time.perf_counter()
+                    try:
+                        _read(*args)
+                    finally:
+                        reads.append((t0, time.perf_counter(), 1, 1))
+
+                setattr(file, name, timed_read)
+                self.timed.append("read requests")
+                break
 
     @property
     def ok(self) -> bool:
@@ -396,19 +419,26 @@ class _DiskWatch:
         del self.reads[:]
 
 
-def _in_flight(spans: Sequence[Tuple[float, float]], t0: float, t1: float) -> Dict[str, Optional[float]]:
-    """Reads in flight over ``[t0, t1]``: the mean (busy read time / wall time, Little's law)
-    and the most at once; and the latency of the reads that began inside."""
-    inside = [(max(a, t0), min(b, t1)) for a, b in spans if b > t0 and a < t1]
+def _in_flight(spans: Sequence[Tuple[float, float, int, int]], t0: float, t1: float,
+               cap: Optional[int] = None) -> Dict[str, Optional[float]]:
+    """Reads in flight over ``[t0, t1]``: the time mean (Little's law) and the most at once,
+    never above ``cap``; and the latency of the reads that began inside. A span is a call
+    moving ``n`` reads with ``c`` in flight from its start to its end: each read's latency
+    is taken as the call's time x ``c / n`` (exact for one read a call)."""
+    inside = [(max(a, t0), min(b, t1), c) for a, b, c, _ in spans if b > t0 and a < t1]
     if not inside or t1 <= t0:
         return {"mean": 0.0, "max": 0, "latency_ms_mean": None, "latency_ms_p90": None}
-    events = sorted([(a, 1) for a, _ in inside] + [(b, -1) for _, b in inside], key=lambda e: (e[0], e[1]))
+    events = sorted([(a, c) for a, _, c in inside] + [(b, -c) for _, b, c in inside], key=lambda e: (e[0], e[1]))
+    limit = cap if cap else float("inf")
     now = peak = 0
-    for _, d in events:
+    busy, last = 0.0, events[0][0]
+    for at, d in events:
+        busy += min(now, limit) * (at - last)
+        last = at
         now += d
-        peak = max(peak, now)
-    lat = sorted(b - a for a, b in spans if t0 <= a < t1)
-    return {"mean": sum(b - a for a, b in inside) / (t1 - t0), "max": peak,
+        peak = max(peak, min(now, limit))
+    lat = sorted(x for a, b, c, n in spans if t0 <= a < t1 for x in [(b - a) * c / n] * n)
+    return {"mean": busy / (t1 - t0), "max": peak,
             "latency_ms_mean": 1e3 * statistics.fmean(lat) if lat else None,
             "latency_ms_p90": 1e3 * lat[min(len(lat) - 1, int(round(0.9 * (len(lat) - 1))))] if lat else None}
 
@@ -574,7 +604,7 @@ def _timed_run(table: TieredTable, batches: Sequence[Any], cfg: SsdConfig, s: Ss
         "stages_waited": getattr(report, "stages_waited", None), "stages_dropped": getattr(report, "stages_dropped", None),
     }
     if watch is not None and watch.ok and table.disk is not None:
-        out["reads"] = _in_flight(watch.reads, t0, t1)
+        out["reads"] = _in_flight(watch.reads, t0, t1, watch.cap)
     if trace:
         out["events"] = _events(engine, watch, disk_of, io, starts, ends)
     return out
@@ -854,6 +884,7 @@ class _Bench:
             every_row = _check_file(disk, dram)
             self._phase("comparing every row", t)
             o_direct, fallback = bool(file.o_direct), file.fallback_reason
+            io_backend = str(getattr(file, "io_backend", "threads"))
             table_bytes, host_bytes = int(file.size), int(disk.disk.num_slots * disk.disk.record)
         finally:
             for table in (disk, dram):
@@ -862,7 +893,7 @@ class _Bench:
         report = _report(s, g, self.configs + [dram_cfg], self.runs, self.checks, every_row, self.separate, probe,
                          self.notes)
         report.update(table_bytes=table_bytes, host_cache_bytes=host_bytes, o_direct=o_direct,
-                      o_direct_fallback=fallback, wall_s=time.perf_counter() - t_start, phases_s=self.phases,
+                      o_direct_fallback=fallback, io_backend=io_backend, wall_s=time.perf_counter() - t_start, phases_s=self.phases,
                       rounds_asked=s.rounds, dram_depth=dram_cfg.depth, timed_from_outside=self.watch.timed)
         if self.trace:
             report["_events"] = _picked_events(self.events, report)
@@ -1174,7 +1205,8 @@ def format_ssd_summary(report: Dict[str, Any]) -> str:
         f"{r['table_bytes'] / max(1, r['host_cache_bytes']):.1f}x its {host_mb:.0f} MB host cache; device cache "
         f"{r['device_cache_fraction']:.0%} ({r['device_cache_rows']:,} rows)",
         f"disk: {'O_DIRECT' if r['o_direct'] else 'NO O_DIRECT - ' + str(r['o_direct_fallback'])}, "
-        f"{r['io_threads']} reads in flight at most, under {r.get('tier_dir', '?')}"
+        f"{r['io_threads']} reads in flight at most"
+        + (f" ({r['io_backend']} I/O)" if r.get("io_backend") else "") + f", under {r.get('tier_dir', '?')}"
         + (f" ({r['filesystem']})" if r.get("filesystem") else ""),
         f"workload: {r['ids_per_step']} Zipf({r['zipf_alpha']:g}) ids a step (one per sample), the device's step "
         f"EMULATED by a {r['step_ms_emulated']:g} ms sleep; {r['timed_steps']} timed steps x {r['rounds']} round(s) "

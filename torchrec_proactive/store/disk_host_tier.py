@@ -486,8 +486,7 @@ class DiskHostTier:
         # Once per ticket (two ``stat`` calls): a file truncated or replaced under the job is
         # found before anything is read from it or written to it.
         self.file.check_identity()
-        threads = self.file.io_threads
-        shares = [runs[i::threads] for i in range(min(threads, len(runs)))]
+        shares = self.file.shares(runs)
         ticket._tasks_left = len(shares)
         if ticket._reads_left == 0:
             ticket._ready.set()
@@ -570,18 +569,38 @@ class DiskHostTier:
                                                (self.page_bytes, self.record, 1), writeable=True)
 
     def _do_share(self, ticket: DiskTicket, runs: List[_Run]) -> None:
-        """A share of a ticket's requests, on one I/O thread: every read (each after the
-        earlier writes of its pages) with the write records patched in, then one copy of all
-        their read rows into their slots, then the writes. The copy precedes the writes, so
-        an orphan's row is in DRAM (dirty) even if its write fails again; a write's end is
-        marked as soon as it ended, for what follows it."""
-        failed = set()
+        """A share of a ticket's requests, on one pool thread, in two groups: the runs whose
+        pages no earlier write still holds, then the others, each after those writes - so a
+        read of a page nobody writes never waits for a write of another page. Per group:
+        the reads (one call with the ``aio`` backend), the write records patched in, one
+        copy of all their read rows into their slots, then their writes. The copy precedes
+        the writes, so an orphan's row is in DRAM (dirty) even if its write fails again; a
+        write's end is marked as soon as its group's writes ended, for what follows it."""
+        free = [r for r in runs if all(pw.event.is_set() for pw in r.after)]
+        held = [r for r in runs if not all(pw.event.is_set() for pw in r.after)]
+        for group in (free, held):
+            if group:
+                self._move_group(ticket, group)
+        self._finish(ticket, 1)
+
+    def _move_group(self, ticket: DiskTicket, runs: List[_Run]) -> None:
+        failed: Dict[int, BaseException] = {}
         for run in runs:
             try:
-                self._read_patch(ticket, run)
+                self._follow(ticket, run)
             except BaseException as e:  # (reported through the ticket)
-                failed.add(id(run))
-                self._end_run(ticket, run, e)
+                failed[id(run)] = e
+        assert ticket._staging is not None and ticket._view is not None
+        reading = [r for r in runs if r.read and id(r) not in failed]
+        for run, error in zip(reading, self._moved(False, ticket._staging, reading)):
+            if error is not None:
+                failed[id(run)] = error
+        for run in runs:
+            if id(run) in failed:
+                self._end_run(ticket, run, failed[id(run)])
+            elif run.w1 > run.w0:
+                w0, w1 = run.w0, run.w1
+                ticket._view[ticket._w_at[w0:w1], ticket._w_off[w0:w1]] = ticket.write_records[w0:w1]  # type: ignore[index]
         done = [r for r in runs if r.r1 > r.r0 and id(r) not in failed]
         if done:
             for d in ticket.slot_deps:
@@ -589,7 +608,7 @@ class DiskHostTier:
             sel = (np.arange(done[0].r0, done[0].r1) if len(done) == 1
                    else np.concatenate([np.arange(r.r0, r.r1) for r in done]))
             rows, slots = ticket.read_rows[sel], ticket.read_slots[sel]
-            assert ticket._view is not None and ticket._r_at is not None and ticket._r_off is not None
+            assert ticket._r_at is not None and ticket._r_off is not None
             self._records[slots] = ticket._view[ticket._r_at[sel], ticket._r_off[sel]]
             from_file = sum(int(ticket._r_from_file[r.r1] - ticket._r_from_file[r.r0])  # type: ignore[index]
                             for r in done)
@@ -603,24 +622,31 @@ class DiskHostTier:
                 ticket._reads_left -= len(done)
                 if ticket._reads_left == 0 and ticket._read_error is None:
                     ticket._ready.set()
-        for run in runs:
-            if id(run) in failed:
-                continue
-            error: Optional[BaseException] = None
-            if run.w1 > run.w0:
-                try:
-                    assert ticket._staging is not None
-                    self.file.write_run(ticket._staging, run.first, run.at, run.count)
-                    with self._lock:
-                        self.rows_written += run.w1 - run.w0
-                except BaseException as e:  # (reported through the ticket)
-                    error = e
-            self._end_run(ticket, run, error, reads_landed=True)
-        self._finish(ticket, 1)
+        ok = [r for r in runs if id(r) not in failed]
+        writing = [r for r in ok if r.w1 > r.w0]
+        errors = dict(zip(map(id, writing), self._moved(True, ticket._staging, writing)))
+        written = sum(r.w1 - r.w0 for r in writing if errors[id(r)] is None)
+        if written:
+            with self._lock:
+                self.rows_written += written
+        for run in ok:
+            self._end_run(ticket, run, errors.get(id(run)), reads_landed=True)
 
-    def _read_patch(self, ticket: DiskTicket, run: _Run) -> None:
-        """A request's read, after the earlier writes of its pages (one that failed fails
-        it when it has rows to read), then its write records patched into the staging."""
+    def _moved(self, write: bool, staging: np.ndarray, runs: List[_Run]) -> List[Optional[BaseException]]:
+        """The runs' reads or writes; per run, its error. Whatever goes wrong is a run's
+        error, never an exception here: every run must end, or what follows its writes
+        would wait for ever."""
+        if not runs:
+            return []
+        spans = [(r.first, r.at, r.count) for r in runs]
+        try:
+            return list(self.file.write_runs(staging, spans) if write else self.file.read_runs(staging, spans))
+        except BaseException as e:
+            return [e] * len(runs)
+
+    def _follow(self, ticket: DiskTicket, run: _Run) -> None:
+        """Waits for the earlier writes of the run's pages; one that failed fails the run
+        when it has rows to read (its write passes the failure on, ``taint``)."""
         for pw in run.after:
             pw.event.wait()  # (an earlier request, started before this one: first in, first out)
             if pw.failed_seq is not None and ticket.seq <= pw.failed_seq:
@@ -629,12 +655,6 @@ class DiskHostTier:
                     raise DiskTierError(f"{pw.error} (so page {run.first} was not read after it)")
                 if run.taint is None or pw.failed_seq > run.taint.failed_seq:  # type: ignore[operator]
                     run.taint = pw
-        assert ticket._staging is not None and ticket._view is not None
-        if run.read:
-            self.file.read_run(ticket._staging, run.first, run.at, run.count)
-        w0, w1 = run.w0, run.w1
-        if w1 > w0:
-            ticket._view[ticket._w_at[w0:w1], ticket._w_off[w0:w1]] = ticket.write_records[w0:w1]  # type: ignore[index]
 
     def _end_run(self, ticket: DiskTicket, run: Optional[_Run], error: Optional[BaseException],
                  reads_landed: bool = False) -> None:

@@ -9,15 +9,29 @@ what keeps the page cache from faking an SSD. Where the filesystem refuses ``O_D
 (tmpfs, some overlays) the file is opened buffered and ``o_direct`` / ``fallback_reason``
 say so; nothing else changes.
 
-I/O. ``os.preadv`` / ``os.pwritev`` at explicit offsets release the GIL, so a pool of
-``io_threads`` threads (default 64) keeps that many requests in flight - a random 4 KiB read
-costs ~100 us on NVMe and several hundred here, and only ~64 in flight reach the disk's
-reads/s. Runs of consecutive pages go as one request. :meth:`RowFile.read_pages` /
-:meth:`RowFile.write_pages` return an :class:`IOBatch` at once; its ``wait`` raises the
-first failure. :meth:`RowFile.read_run` / :meth:`RowFile.write_run` / :meth:`RowFile.submit`
-are the same requests one at a time, for a caller that orders them itself (the host cache).
-Counters: requests, pages and bytes moved, and reads in flight (``reads_in_flight_max``; the
-mean, over reads, of the reads in flight when one starts: ``reads_in_flight_mean``).
+I/O. A random 4 KiB read costs ~100 us on NVMe and several hundred here, and only ~64 in
+flight reach the disk's reads/s, so requests go in batches with up to ``io_threads``
+(default 64) in flight. Runs of consecutive pages go as one request. Two backends
+(``io_backend``; ``RowFile.io_backend`` says which one a file got):
+
+* ``"aio"`` (the default where it exists: Linux, glibc): a batch is one call of glibc's
+  ``lio_listio`` (``glibc_aio``), which releases the GIL while glibc's threads run it - no
+  Python per request, so the training thread does not queue for the GIL behind the I/O;
+* ``"threads"``: a pool of ``io_threads`` Python threads, each request one ``os.preadv`` /
+  ``os.pwritev`` (which release the GIL but take it back after every request).
+
+``"auto"`` picks the first available; the environment variable
+``TORCHREC_PROACTIVE_DISK_IO`` (``auto``, ``aio`` or ``threads``) sets the default.
+
+:meth:`RowFile.read_pages` / :meth:`RowFile.write_pages` return an :class:`IOBatch` at once;
+its ``wait`` raises the first failure. :meth:`RowFile.read_runs` / :meth:`RowFile.write_runs`
+move a caller's list of runs on the calling thread (all in flight together with ``aio``, one
+after another with ``threads``: :meth:`RowFile.shares` says how to split work across the
+pool, :meth:`RowFile.submit` puts a share on it), for a caller that orders requests itself
+(the host cache). Counters: requests, pages and bytes moved, and reads in flight
+(``reads_in_flight_max``; the mean, over reads, of the reads in flight when one starts:
+``reads_in_flight_mean``; with ``aio`` a batch counts as ``min(its requests, io_threads)``
+in flight from its start to its end).
 
 Faults are :class:`DiskTierError` naming the table, the file and what happened: a directory
 that cannot hold the file, a full disk, a short read, a file truncated or replaced under the
@@ -37,16 +51,34 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
+from . import glibc_aio
 from .errors import ProactiveError
 
-__all__ = ["BLOCK", "DiskTierError", "IOBatch", "PageLayout", "RowFile", "aligned_buffer"]
+__all__ = ["BLOCK", "DiskTierError", "IOBatch", "IO_BACKENDS", "PageLayout", "Run", "RowFile", "aligned_buffer",
+           "default_io_backend"]
 
 #: The I/O unit: page size and alignment of every read, write and buffer.
 BLOCK = 4096
+
+#: What ``io_backend`` takes (see the module docstring).
+IO_BACKENDS = ("auto", "aio", "threads")
+_IO_ENV = "TORCHREC_PROACTIVE_DISK_IO"
+
+#: One request: ``(first file page, first buffer page, pages)``.
+Run = Tuple[int, int, int]
+_T = TypeVar("_T")
+
+#: With ``aio``, requests a share of work moves in one call at most (bounds its arrays).
+_AIO_SHARE_RUNS = 4096
+
+
+def default_io_backend() -> str:
+    """``io_backend`` when none is given: ``$TORCHREC_PROACTIVE_DISK_IO`` or ``"auto"``."""
+    return os.environ.get(_IO_ENV, "auto").strip().lower() or "auto"
 
 
 class DiskTierError(ProactiveError, OSError):
@@ -140,10 +172,21 @@ class RowFile:
             this machine's disk needs for its reads/s).
         direct: try ``O_DIRECT`` (default); ``o_direct`` says whether it was obtained.
         max_run_pages: the longest run of pages one request moves.
+        io_backend: ``"auto"`` (default: ``$TORCHREC_PROACTIVE_DISK_IO`` or ``"auto"``),
+            ``"aio"`` or ``"threads"`` (see the module docstring); ``io_backend`` says which
+            one the file got.
     """
 
     def __init__(self, path: os.PathLike | str, num_rows: int, row_bytes: int, table: str,
-                 io_threads: int = 64, direct: bool = True, max_run_pages: int = 32) -> None:
+                 io_threads: int = 64, direct: bool = True, max_run_pages: int = 32,
+                 io_backend: Optional[str] = None) -> None:
+        backend = default_io_backend() if io_backend is None else io_backend
+        if backend not in IO_BACKENDS:
+            source = f"${_IO_ENV}" if io_backend is None else "io_backend"
+            raise ValueError(f"{source}={backend!r}: expected one of {', '.join(IO_BACKENDS)}")
+        if backend == "aio" and not glibc_aio.available():
+            raise DiskTierError(f"table '{table}': io_backend 'aio' needs glibc's POSIX AIO (Linux with glibc), which "
+                                f"this platform lacks; use 'auto' or 'threads'")
         self.path = Path(path)
         self.table = table
         self.num_rows = int(num_rows)
@@ -169,6 +212,12 @@ class RowFile:
         st = os.fstat(self._fd)
         self._identity = (st.st_dev, st.st_ino)
         self._threads = max(1, int(io_threads))
+        self._aio: Optional[glibc_aio.GlibcAio] = None
+        if backend in ("auto", "aio") and glibc_aio.available():
+            self._aio = glibc_aio.GlibcAio(self._fd, self._threads)
+        self.io_backend = "aio" if self._aio is not None else "threads"
+        # With aio the pool runs shares of work (each one call for many requests), not
+        # requests: a few threads, one per batch moving at once.
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=f"rowfile-{table}")
         self._lock = threading.Lock()
         self.reads = self.writes = self.bytes_read = self.bytes_written = 0
@@ -266,22 +315,45 @@ class RowFile:
         """Mean, over the reads made, of the reads in flight as each started (itself included)."""
         return self._reads_in_flight_sum / self.reads if self.reads else 0.0
 
+    def _read_failed(self, offset: int, want: int, err: int) -> DiskTierError:
+        e = OSError(err, os.strerror(err))
+        return self._error(f"read failed at byte {offset} ({want} bytes): {e.strerror}", e)
+
+    def _short_read(self, offset: int, want: int, got: int) -> DiskTierError:
+        try:
+            self.check_identity()  # (names what happened to the file, when it can be seen)
+        except DiskTierError as e:
+            return e
+        return self._error(f"short read at byte {offset}: {got} of {want} bytes (truncated under the running job?)")
+
+    def _write_failed(self, offset: int, want: int, err: int) -> DiskTierError:
+        e = OSError(err, os.strerror(err))
+        why = "the disk is full" if err == errno.ENOSPC else e.strerror
+        return self._error(f"write failed at byte {offset} ({want} bytes): {why}", e)
+
+    def _reads_start(self, in_flight: int, reads: int) -> None:
+        """``reads`` start, adding ``in_flight`` to the reads in flight (each of them sees the
+        new count; never more than ``io_threads``: with ``aio``, calls that overlap share the
+        file's descriptors)."""
+        with self._lock:
+            self._reads_now += in_flight
+            now = min(self._reads_now, self._threads)
+            self.reads_in_flight_max = max(self.reads_in_flight_max, now)
+            self._reads_in_flight_sum += now * reads
+
     def read_run(self, buffer: np.ndarray, first: int, at: int, count: int) -> None:
         """Reads pages ``[first, first + count)`` into pages ``[at, at + count)`` of ``buffer``
-        (an ``aligned_buffer``), on the calling thread: one request. Raises
-        ``DiskTierError`` for a failed or short read (a short one names a truncation or a
-        replacement of the file when ``check_identity`` finds one)."""
+        (an ``aligned_buffer``), on the calling thread: one request (``os.preadv``, whatever
+        the backend). Raises ``DiskTierError`` for a failed or short read (a short one names
+        a truncation or a replacement of the file when ``check_identity`` finds one)."""
         want = count * self._page_bytes
         offset = first * self._page_bytes
-        with self._lock:
-            self._reads_now += 1
-            self.reads_in_flight_max = max(self.reads_in_flight_max, self._reads_now)
-            self._reads_in_flight_sum += self._reads_now
+        self._reads_start(1, 1)
         got = -1
         try:
             got = os.preadv(self._fd, [self._views(buffer, at, count)], offset)
         except OSError as e:
-            raise self._error(f"read failed at byte {offset} ({want} bytes): {e.strerror}", e) from e
+            raise self._read_failed(offset, want, e.errno or errno.EIO) from e
         finally:
             with self._lock:
                 self._reads_now -= 1
@@ -290,8 +362,7 @@ class RowFile:
                     self.bytes_read += want
                     self.pages_read += count
         if got != want:
-            self.check_identity()  # (names what happened to the file, when it can be seen)
-            raise self._error(f"short read at byte {offset}: {got} of {want} bytes (truncated under the running job?)")
+            raise self._short_read(offset, want, got)
 
     def submit(self, fn: Callable[..., None], *args: object) -> "Future[None]":
         """Runs ``fn(*args)`` on the I/O pool (first in, first started)."""
@@ -303,16 +374,42 @@ class RowFile:
     def io_threads(self) -> int:
         return self._threads
 
+    def shares(self, runs: List[_T]) -> List[List[_T]]:
+        """``runs`` split into the shares of work to run on the pool at once: with ``aio``
+        one share per few thousand runs (one call moves a share's requests, all in flight
+        together); with ``threads`` one per thread, each going through its share of the
+        requests (a future per request would cost more Python than a 4 KiB read)."""
+        if not runs:
+            return []
+        if self._aio is not None:
+            return [runs[i: i + _AIO_SHARE_RUNS] for i in range(0, len(runs), _AIO_SHARE_RUNS)]
+        return [runs[i::self._threads] for i in range(min(self._threads, len(runs)))]
+
+    def read_runs(self, buffer: np.ndarray, runs: Sequence[Run]) -> List[Optional[DiskTierError]]:
+        """Reads each run ``(first file page, first buffer page, pages)`` into ``buffer`` on
+        the calling thread (with ``aio`` all in flight together, with ``threads`` one after
+        another) and returns, per run, ``None`` or its ``DiskTierError``."""
+        if self._aio is None:
+            out: List[Optional[DiskTierError]] = []
+            for first, at, count in runs:
+                try:
+                    self.read_run(buffer, first, at, count)
+                    out.append(None)
+                except DiskTierError as e:
+                    out.append(e)
+            return out
+        return self._aio_runs(False, buffer, runs)
+
     def write_run(self, buffer: np.ndarray, first: int, at: int, count: int) -> None:
         """Writes pages ``[at, at + count)`` of ``buffer`` to pages ``[first, first + count)``,
-        on the calling thread: one request. Raises ``DiskTierError`` (a full disk says so)."""
+        on the calling thread: one request (``os.pwritev``). Raises ``DiskTierError`` (a full
+        disk says so)."""
         want = count * self._page_bytes
         offset = first * self._page_bytes
         try:
             got = os.pwritev(self._fd, [self._views(buffer, at, count)], offset)
         except OSError as e:
-            why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
-            raise self._error(f"write failed at byte {offset} ({want} bytes): {why}", e) from e
+            raise self._write_failed(offset, want, e.errno or errno.EIO) from e
         if got != want:
             raise self._error(f"short write at byte {offset}: {got} of {want} bytes")
         with self._lock:
@@ -320,7 +417,65 @@ class RowFile:
             self.bytes_written += want
             self.pages_written += count
 
-    def _submit(self, work: Callable[[np.ndarray, int, int, int], None], pages: np.ndarray,
+    def write_runs(self, buffer: np.ndarray, runs: Sequence[Run]) -> List[Optional[DiskTierError]]:
+        """Writes each run ``(first file page, first buffer page, pages)`` from ``buffer``, as
+        :meth:`read_runs` reads; per run, ``None`` or its ``DiskTierError``."""
+        if self._aio is None:
+            out: List[Optional[DiskTierError]] = []
+            for first, at, count in runs:
+                try:
+                    self.write_run(buffer, first, at, count)
+                    out.append(None)
+                except DiskTierError as e:
+                    out.append(e)
+            return out
+        return self._aio_runs(True, buffer, runs)
+
+    def _aio_runs(self, write: bool, buffer: np.ndarray, runs: Sequence[Run]) -> List[Optional[DiskTierError]]:
+        """One ``lio_listio`` call for ``runs``; the same errors, counters and one line per
+        failed run as the one-request methods."""
+        if not runs:
+            return []
+        aio = self._aio
+        if self._fd < 0 or aio is None:
+            raise self._error("is closed")
+        pb = self._page_bytes
+        r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+        want = r[:, 2] * pb
+        requests = np.stack((r[:, 0] * pb, r[:, 1] * pb, want), axis=1)
+        n = len(runs)
+        lanes = min(n, aio.lanes)
+        if not write:
+            self._reads_start(lanes, n)
+        try:
+            err, got = aio.transfer(write, buffer, requests)
+        finally:
+            if not write:
+                with self._lock:
+                    self._reads_now -= lanes
+        ok = (err == 0) & (got == want)
+        with self._lock:
+            moved, pages = int(want[ok].sum()), int(r[ok, 2].sum())
+            if write:
+                self.writes += int(np.count_nonzero(ok))
+                self.bytes_written += moved
+                self.pages_written += pages
+            else:
+                self.reads += n
+                self.bytes_read += moved
+                self.pages_read += pages
+        out: List[Optional[DiskTierError]] = [None] * n
+        for i in np.flatnonzero(~ok).tolist():
+            offset, w, e, g = int(requests[i, 0]), int(want[i]), int(err[i]), int(got[i])
+            if e != 0:
+                out[i] = self._write_failed(offset, w, e) if write else self._read_failed(offset, w, e)
+            elif write:
+                out[i] = self._error(f"short write at byte {offset}: {g} of {w} bytes")
+            else:
+                out[i] = self._short_read(offset, w, g)
+        return out
+
+    def _submit(self, move: Callable[[np.ndarray, Sequence[Run]], List[Optional[DiskTierError]]], pages: np.ndarray,
                 buffer: np.ndarray, slots: Optional[np.ndarray] = None) -> IOBatch:
         pages = self._check_pages(pages)
         if slots is not None:
@@ -334,28 +489,26 @@ class RowFile:
             raise self._error(f"was given a buffer at an address not aligned to {BLOCK} bytes (use aligned_buffer)")
         self.check_identity()
         runs = _runs(pages, self.max_run_pages, slots)
-        # One task per thread, each going through its share of the requests: a future per
-        # request would cost more Python than the read itself at 4 KiB.
-        shares = [runs[i::self._threads] for i in range(min(self._threads, len(runs)))]
 
-        def run_share(share: List[Tuple[int, int, int]]) -> None:
-            for first, at, count in share:
-                work(buffer, first, at, count)
+        def run_share(share: List[Run]) -> None:
+            for error in move(buffer, share):
+                if error is not None:
+                    raise error
 
-        futures = [self._pool.submit(run_share, share) for share in shares]
+        futures = [self._pool.submit(run_share, share) for share in self.shares(runs)]
         return IOBatch(futures, int(pages.size), len(runs))
 
     def read_pages(self, pages: Sequence[int] | np.ndarray, buffer: np.ndarray,
                    slots: Optional[Sequence[int] | np.ndarray] = None) -> IOBatch:
         """Reads ``pages`` (sorted, unique) into ``buffer`` (an ``aligned_buffer``): page i
         into its page ``slots[i]`` (default: consecutive pages), all in flight at once."""
-        return self._submit(self.read_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
+        return self._submit(self.read_runs, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
 
     def write_pages(self, pages: Sequence[int] | np.ndarray, buffer: np.ndarray,
                     slots: Optional[Sequence[int] | np.ndarray] = None) -> IOBatch:
         """Writes pages of ``buffer`` (``slots[i]``, default consecutive) to ``pages``
         (sorted, unique)."""
-        return self._submit(self.write_run, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
+        return self._submit(self.write_runs, np.asarray(pages), buffer, None if slots is None else np.asarray(slots))
 
     def close(self, remove: bool = True, wait: bool = True) -> None:
         """Ends the I/O (waiting for what is in flight, unless ``wait`` is False: then what
@@ -364,6 +517,9 @@ class RowFile:
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
             pool.shutdown(wait=wait, cancel_futures=not wait)
+        aio, self._aio = getattr(self, "_aio", None), None
+        if aio is not None:
+            aio.close()
         fd, self._fd = getattr(self, "_fd", -1), -1
         if fd >= 0:
             # Only our own file is removed: one put in its place under the job is not ours.
@@ -386,4 +542,5 @@ class RowFile:
 
     def __repr__(self) -> str:
         return (f"RowFile(table={self.table!r}, path={str(self.path)!r}, rows={self.num_rows}, "
-                f"rows_per_page={self.layout.rows_per_page}, pages={self.num_pages}, o_direct={self.o_direct})")
+                f"rows_per_page={self.layout.rows_per_page}, pages={self.num_pages}, o_direct={self.o_direct}, "
+                f"io_backend={self.io_backend!r})")
