@@ -260,31 +260,39 @@ def test_no_proactive_table_advice_is_in_config_words() -> None:
     assert text.endswith("plan the tables to tier with sharding.kernel=fused_uvm_caching (now fused)"), text
 
 
-def test_a_forward_fx_cannot_trace_is_named_with_the_fix() -> None:
+@pytest.fixture(scope="module")
+def one_rank():
+    """The module's three 1-rank pipeline cases in one launch (starting a rank costs more than a case)."""
+    from . import pipeline_worker
+    from .cases_worker import call, launch_cases
+
+    cases = {"untraceable": dict(fn=pipeline_worker.untraceable_forward, wrapped=False),
+             "wrapped": dict(fn=pipeline_worker.untraceable_forward, wrapped=True),
+             "unpipelined": dict(fn=pipeline_worker.unpipelined_module)}
+    return launch_cases(call, list(cases), list(cases.values()), world_size=1)
+
+
+def test_a_forward_fx_cannot_trace_is_named_with_the_fix(one_rank) -> None:
     """ProactiveTrainPipeline, like TorchRec's, finds the sharded modules by FX-tracing the
     forward: a forward it cannot trace gets one error naming that and the fix (stock: a bare
     ``TypeError`` about a ``Proxy``), and the fix trains with prefetching."""
-    from torchrec_proactive.launch import run_ranks
+    from .cases_worker import ok
 
-    from . import pipeline_worker
-
-    (bad,) = run_ranks(pipeline_worker.untraceable_forward, world_size=1, wrapped=False)
+    (bad,) = ok(one_rank["untraceable"])
     assert bad["error"] == "ModelNotTraceableError", bad
     for words in ("FX-trac", "_DataDependentModel.forward", "torch.fx.wrap", "Proxy"):
         assert words in bad["message"], (words, bad["message"])
-    (good,) = run_ranks(pipeline_worker.untraceable_forward, world_size=1, wrapped=True)
+    (good,) = ok(one_rank["wrapped"])
     assert good["steps"] == 4 and good["lead"] > 0, good
 
 
-def test_a_proactive_module_the_pipeline_leaves_unpipelined_is_named() -> None:
+def test_a_proactive_module_the_pipeline_leaves_unpipelined_is_named(one_rank) -> None:
     """TorchRec's pipeline pipelines only modules whose KJT comes straight from the batch; a
     proactive module it leaves out trains exactly but fetches at its lookup (reactive): the
     pipeline says so once, naming the module and why, instead of running reactive silently."""
-    from torchrec_proactive.launch import run_ranks
+    from .cases_worker import ok
 
-    from . import pipeline_worker
-
-    (res,) = run_ranks(pipeline_worker.unpipelined_module, world_size=1)
+    (res,) = ok(one_rank["unpipelined"])
     assert res["steps"] == 4 and res["lookups"] == 4 and res["lead"] == 0, res
     assert len(res["warnings"]) == 1, res["warnings"]
     text = res["warnings"][0]
