@@ -19,18 +19,25 @@ CASES = [("table_wise", "rowwise_adagrad"), ("row_wise", "sgd"), ("column_wise",
 _results = {}
 
 
-def _case(tmp_path_factory, sharding, optim):
+def _case(tmp_path_factory, key):
+    """The module's 2-rank cases, all in one launch (starting ranks costs more than a case):
+    CASES against stock, and "load_mid_pipeline"."""
     if not _results:
+        from .cases_worker import call
+
         base = tmp_path_factory.mktemp("kv")
         _results.update(launch_cases(
-            key_value_worker.check_against_stock, CASES,
-            [{"sharding": s, "optim": o, "directory": str(base / f"{s}-{o}")} for s, o in CASES], timeout_s=300))
-    return ok(_results[(sharding, optim)])
+            call, [*CASES, "load_mid_pipeline"],
+            [*({"fn": key_value_worker.check_against_stock, "sharding": s, "optim": o,
+                "directory": str(base / f"{s}-{o}")} for s, o in CASES),
+             {"fn": key_value_worker.check_load_mid_pipeline, "directory": str(base / "load_mid_pipeline")}],
+            timeout_s=300))
+    return ok(_results[key])
 
 
 @pytest.mark.parametrize("sharding,optim", CASES)
 def test_key_value_tables_train_as_stock(tmp_path_factory, sharding, optim):
-    for rank, res in enumerate(_case(tmp_path_factory, sharding, optim)):
+    for rank, res in enumerate(_case(tmp_path_factory, (sharding, optim))):
         for run in ("depth2_disk2", "depth0_disk0", "depth1_disk4"):
             r = res[run]
             assert r["param_diff"] <= TOL and r["out_diff"] <= TOL, (rank, run, r)
@@ -45,8 +52,5 @@ def test_key_value_tables_train_as_stock(tmp_path_factory, sharding, optim):
         assert res["depths_bit_identical"], rank
 
 
-def test_a_load_with_batches_in_flight_applies_whole(tmp_path):
-    from torchrec_proactive.launch import run_ranks
-
-    assert run_ranks(key_value_worker.check_load_mid_pipeline, world_size=2, timeout_s=300,
-                     directory=str(tmp_path)) == [True, True]
+def test_a_load_with_batches_in_flight_applies_whole(tmp_path_factory):
+    assert _case(tmp_path_factory, "load_mid_pipeline") == [True, True]
