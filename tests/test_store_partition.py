@@ -297,20 +297,31 @@ def test_auto_depth_is_bounded_by_each_tables_budget():
         assert autodepth.cache_depth_limit(FakeEbc(_group([10, 100])), ids_per_batch=5) == 1
 
 
+BUDGET_DEPTHS = [0, 1, 3]
+
+
+@pytest.fixture(scope="module")
+def per_table_budget_runs():
+    """Both shardings' matrices in one launch of 2 ranks (starting ranks costs more than a case)."""
+    from . import exactness_worker
+    from .cases_worker import launch_cases
+
+    shardings = ["row_wise", "table_wise"]
+    return launch_cases(exactness_worker.matrix, shardings, [
+        dict(sharding=s, optimizers=["rowwise_adagrad"], depths=BUDGET_DEPTHS, caches=["per_table", "per_table_uneven"])
+        for s in shardings])
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
-def test_per_table_budgets_through_torchrec_are_exact_vs_stock(sharding):
+def test_per_table_budgets_through_torchrec_are_exact_vs_stock(per_table_budget_runs, sharding):
     """Each rank's group store with per-table budgets (as small as fits, and one below a
     batch, which overflows): bit-identical across depths and budgets, stock TorchRec's
     parameters within fp32 tolerance (2 gloo ranks)."""
-    from torchrec_proactive.launch import run_ranks
-
-    from . import exactness_worker
+    from .cases_worker import ok
     from .test_integration import _check_matrix
 
-    depths = [0, 1, 3]
-    results = _check_matrix(run_ranks(exactness_worker.matrix, world_size=2, timeout_s=600, sharding=sharding,
-                                      optimizers=["rowwise_adagrad"], depths=depths,
-                                      caches=["per_table", "per_table_uneven"]), n_runs=2 * len(depths))
+    depths = BUDGET_DEPTHS
+    results = _check_matrix(ok(per_table_budget_runs[sharding]), n_runs=2 * len(depths))
     overflow = sum(r["runs"][f"rowwise_adagrad/per_table_uneven/k{k}"]["overflow_rows"] for r in results for k in depths)
     assert overflow > 0  # the first table's budget really was below a batch
