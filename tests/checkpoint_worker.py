@@ -139,6 +139,30 @@ def load_each(rank: int, world_size: int, paths: Dict[str, str], sharding: str) 
     return out
 
 
+def save_then_load_each(rank: int, world_size: int, root: str, optimizers: List[str], save_sharding: str,
+                        load_sharding: str) -> Dict[str, Any]:
+    """:func:`save_each` sharded ``save_sharding``, then :func:`load_each` of those checkpoints
+    sharded ``load_sharding``, in one launch (starting ranks costs more than the case); with
+    ``snapshots``: what the files under ``root`` were after the save and after the loads
+    (rank 0, every rank past the same point), for a check that loading writes nothing."""
+    import hashlib
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    def snapshot() -> Dict[str, str]:
+        dist.barrier()
+        files = sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.name.endswith(".log"))
+        out = {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest() for p in files} if rank == 0 else {}
+        dist.barrier()
+        return out
+
+    saved = save_each(rank, world_size, root, optimizers, save_sharding)
+    before = snapshot()
+    loaded = load_each(rank, world_size, {name: res["path"] for name, res in saved.items()}, load_sharding)
+    return {"saved": saved, "loaded": loaded, "snapshots": (before, snapshot())}
+
+
 def app_run(rank: int, world_size: int, root: str, out: str, overrides: List[str]) -> Dict[str, Any]:
     """``torchrec-proactive train`` on this rank (the DLRM example app), then the whole tables
     and optimizer state of its last checkpoint."""

@@ -42,13 +42,13 @@ def _says_what_it_is(message: str, table: str) -> None:
 def test_column_relayout_of_row_wise_state_is_refused_by_the_ranks_and_adam_reshards(tmp_path: Path):
     """The rank-side check (what runs under torchrun, or with sharding.type=auto, where the
     launcher cannot know the plan): 2 ranks save table-wise, 2 ranks load column-wise."""
-    saved = run_ranks(checkpoint_worker.save_each, world_size=2, root=str(tmp_path),
-                      optimizers=["rowwise_adagrad", "adam"], sharding="table_wise")
-    paths = {name: res["path"] for name, res in saved[0].items()}
-    before = _snapshot(tmp_path)
-    loaded = run_ranks(checkpoint_worker.load_each, world_size=2, paths=paths, sharding="column_wise")
-    assert _snapshot(tmp_path) == before
-    for res in loaded:
+    # (one launch: the saves, then the loads, with a snapshot of the files after each)
+    ranks = run_ranks(checkpoint_worker.save_then_load_each, world_size=2, root=str(tmp_path),
+                      optimizers=["rowwise_adagrad", "adam"], save_sharding="table_wise", load_sharding="column_wise")
+    saved = [r["saved"] for r in ranks]
+    before, after = ranks[0]["snapshots"]
+    assert before and after == before == _snapshot(tmp_path)
+    for res in (r["loaded"] for r in ranks):
         refused = res["rowwise_adagrad"].get("refused")
         assert refused is not None, "the row-wise state was loaded into column shards"
         _says_what_it_is(refused, "t0")
