@@ -70,11 +70,13 @@ def test_quick_run_writes_the_json_the_checks_read_and_removes_its_files(tmp_pat
         assert ssd["o_direct_fallback"] and "NO O_DIRECT" in text
 
 
-def test_a_tier_dir_that_cannot_be_created_is_one_line_and_exit_2(tmp_path):
+def test_a_tier_dir_that_cannot_be_created_is_one_line_and_exit_2(tmp_path, capsys):
+    from tests.test_bench_cli import bench_here  # (the console script's main in this process: a refusal)
+
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     bad = blocker / "tier"
-    proc = bench("--quick", "--tier-dir", str(bad), timeout=120)
+    proc = bench_here(capsys, "--tier", "ssd", "--quick", "--tier-dir", str(bad))
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--tier-dir" in lines[0] and str(bad) in lines[0], proc.stderr
