@@ -43,19 +43,20 @@ def _json_lines(text: str) -> List[dict]:
 
 
 def test_cfg_job_hydra_all_and_info() -> None:
-    job = cli("train", "--cfg", "job", "experiment=ci_tiny")
+    # (in this process: Hydra prints and exits before any rank; cli_here fails the test if ranks start)
+    job = cli_here("train", "--cfg", "job", "experiment=ci_tiny")
     assert job.rc == 0 and "num_samples: 3000" in job.out and "hydra:" not in job.out, job
-    hydra = cli("train", "--cfg", "hydra", "hydra.run.dir=/somewhere/else")
+    hydra = cli_here("train", "--cfg", "hydra", "hydra.run.dir=/somewhere/else")
     assert hydra.rc == 0 and "dir: /somewhere/else" in hydra.out and "\nmodel:" not in hydra.out, hydra
-    both = cli("train", "--cfg", "all", "experiment=ci_tiny")
+    both = cli_here("train", "--cfg", "all", "experiment=ci_tiny")
     assert both.rc == 0 and "hydra:" in both.out and "num_samples: 3000" in both.out, both
-    resolved = cli("compare", "--cfg", "job", "--resolve")
+    resolved = cli_here("compare", "--cfg", "job", "--resolve")
     assert resolved.rc == 0 and "bandwidth_gbps: 0.1" in resolved.out and "${" not in resolved.out, resolved
-    info = cli("train", "--info", "searchpath")
+    info = cli_here("train", "--info", "searchpath")
     assert info.rc == 0 and f"file://{REPO / 'torchrec_proactive' / 'conf'}" in info.out, info
     # A bare --info (its value is optional), before or after an override.
     for args in (["--info"], ["experiment=ci_tiny", "--info"]):
-        bare = cli("train", *args)
+        bare = cli_here("train", *args)
         assert bare.rc == 0 and "Config search path" in bare.out, (args, bare)
 
 
