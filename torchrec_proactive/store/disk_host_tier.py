@@ -57,6 +57,7 @@ also cached; pins return to 0 when every ticket is released.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -103,17 +104,29 @@ def record_layout(components: Sequence[Component]) -> Tuple[List[int], int]:
     return offsets, max(8, -(-at // 8) * 8)
 
 
+def _spans(spans: List[Tuple[int, int]]) -> np.ndarray:
+    """The indices of half-open ``[a, b)`` spans, concatenated (vector ops)."""
+    if not spans:
+        return _EMPTY
+    a, b = np.array(spans, dtype=np.int64).T
+    lengths = b - a
+    starts = np.repeat(a - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return starts + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
 class _PageWrite:
-    """One write request (some consecutive pages); ``event`` is set when it ended. When it
-    failed, ``failed_seq`` is the last ticket issued before its records became orphans:
-    those tickets may have planned to read the rows from the file, which lacks them."""
+    """One write request: pages ``[first, last)``, id ``wid`` in the owner's ``_writes``;
+    ``event`` is set when it ended. When it failed, ``failed_seq`` is the last ticket issued
+    before its records became orphans: those tickets may have planned to read the rows from
+    the file, which lacks them."""
 
-    __slots__ = ("event", "failed_seq", "error")
+    __slots__ = ("event", "failed_seq", "error", "wid", "first", "last")
 
-    def __init__(self) -> None:
+    def __init__(self, wid: int, first: int, last: int) -> None:
         self.event = threading.Event()
         self.failed_seq: Optional[int] = None
         self.error: Optional[BaseException] = None
+        self.wid, self.first, self.last = wid, first, last
 
 
 @dataclass(eq=False)
@@ -247,6 +260,9 @@ class DiskHostTier:
         self._page_write = np.full(file.num_pages, -1, dtype=np.int64)
         self._writes: Dict[int, _PageWrite] = {}
         self._write_ids = 0
+        # Writes that ended well, for the owner to forget (``_forget_ended_writes``): a page
+        # whose last write ended is followed by nobody, and the owner looks at fewer pages.
+        self._ended_writes: "collections.deque[_PageWrite]" = collections.deque()
         self.reset_stats()
         self._queue: "queue.Queue[Optional[DiskTicket]]" = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"disk-{self.table}", daemon=True)
@@ -493,6 +509,16 @@ class DiskHostTier:
         for share in shares:
             self.file.submit(self._do_share, ticket, share)
 
+    def _forget_ended_writes(self) -> None:
+        """Forgets the writes that ended well since the last call (the owner only): their
+        pages are followed by nobody now, unless a later write took them over."""
+        ended = self._ended_writes
+        while ended:
+            w = ended.popleft()
+            pages = self._page_write[w.first:w.last]
+            pages[pages == w.wid] = -1
+            self._writes.pop(w.wid, None)
+
     def _prune_writes(self, seq: int) -> None:
         """Forgets the page writes that ended and that no ticket from ``seq`` on follows
         (the owner only; pages naming a forgotten one have none)."""
@@ -503,6 +529,7 @@ class DiskHostTier:
         """The ticket's requests, into ``runs``: runs of consecutive pages alike (read or
         not, written or not), each following the earlier writes of its pages (the owner
         only: it alone keeps ``_page_write``)."""
+        self._forget_ended_writes()
         rpp = self.rows_per_page
         rp = ticket.read_rows // rpp
         wp = ticket.write_rows // rpp
@@ -556,8 +583,8 @@ class DiskHostTier:
         for k, (a, b, first, last) in enumerate(zip(starts.tolist(), ends.tolist(), firsts.tolist(), lasts.tolist())):
             write = None
             if wrote[k]:
-                write = _PageWrite()
                 self._write_ids += 1
+                write = _PageWrite(self._write_ids, first, last)
                 self._writes[self._write_ids] = write
                 self._page_write[first:last] = self._write_ids
             runs.append(_Run(first, a, b - a, bool(read[a]), r0s[k], r1s[k], w0s[k], w1s[k], after[k], write))
@@ -598,15 +625,15 @@ class DiskHostTier:
         for run in runs:
             if id(run) in failed:
                 self._end_run(ticket, run, failed[id(run)])
-            elif run.w1 > run.w0:
-                w0, w1 = run.w0, run.w1
-                ticket._view[ticket._w_at[w0:w1], ticket._w_off[w0:w1]] = ticket.write_records[w0:w1]  # type: ignore[index]
+        patch = _spans([(r.w0, r.w1) for r in runs if r.w1 > r.w0 and id(r) not in failed])
+        if patch.size:
+            assert ticket._w_at is not None and ticket._w_off is not None
+            ticket._view[ticket._w_at[patch], ticket._w_off[patch]] = ticket.write_records[patch]
         done = [r for r in runs if r.r1 > r.r0 and id(r) not in failed]
         if done:
             for d in ticket.slot_deps:
                 d._ready.wait()
-            sel = (np.arange(done[0].r0, done[0].r1) if len(done) == 1
-                   else np.concatenate([np.arange(r.r0, r.r1) for r in done]))
+            sel = _spans([(r.r0, r.r1) for r in done])
             rows, slots = ticket.read_rows[sel], ticket.read_slots[sel]
             assert ticket._r_at is not None and ticket._r_off is not None
             self._records[slots] = ticket._view[ticket._r_at[sel], ticket._r_off[sel]]
@@ -629,8 +656,8 @@ class DiskHostTier:
         if written:
             with self._lock:
                 self.rows_written += written
-        for run in ok:
-            self._end_run(ticket, run, errors.get(id(run)), reads_landed=True)
+        for run in writing:  # (a run that neither failed nor wrote has nothing to end)
+            self._end_run(ticket, run, errors[id(run)], reads_landed=True)
 
     def _moved(self, write: bool, staging: np.ndarray, runs: List[_Run]) -> List[Optional[BaseException]]:
         """The runs' reads or writes; per run, its error. Whatever goes wrong is a run's
@@ -666,6 +693,8 @@ class DiskHostTier:
                 if run.taint is not None:
                     run.write.error, run.write.failed_seq = run.taint.error, run.taint.failed_seq
                 run.write.event.set()
+                if run.taint is None:
+                    self._ended_writes.append(run.write)
             return
         with self._lock:
             w0, w1 = (0, ticket.write_rows.size) if run is None else (run.w0, run.w1)
