@@ -390,14 +390,7 @@ class RowFile:
         the calling thread (with ``aio`` all in flight together, with ``threads`` one after
         another) and returns, per run, ``None`` or its ``DiskTierError``."""
         if self._aio is None:
-            out: List[Optional[DiskTierError]] = []
-            for first, at, count in runs:
-                try:
-                    self.read_run(buffer, first, at, count)
-                    out.append(None)
-                except DiskTierError as e:
-                    out.append(e)
-            return out
+            return self._one_by_one(self.read_run, buffer, runs)
         return self._aio_runs(False, buffer, runs)
 
     def write_run(self, buffer: np.ndarray, first: int, at: int, count: int) -> None:
@@ -421,15 +414,20 @@ class RowFile:
         """Writes each run ``(first file page, first buffer page, pages)`` from ``buffer``, as
         :meth:`read_runs` reads; per run, ``None`` or its ``DiskTierError``."""
         if self._aio is None:
-            out: List[Optional[DiskTierError]] = []
-            for first, at, count in runs:
-                try:
-                    self.write_run(buffer, first, at, count)
-                    out.append(None)
-                except DiskTierError as e:
-                    out.append(e)
-            return out
+            return self._one_by_one(self.write_run, buffer, runs)
         return self._aio_runs(True, buffer, runs)
+
+    @staticmethod
+    def _one_by_one(move: Callable[[np.ndarray, int, int, int], None], buffer: np.ndarray,
+                    runs: Sequence[Run]) -> List[Optional[DiskTierError]]:
+        out: List[Optional[DiskTierError]] = []
+        for first, at, count in runs:
+            try:
+                move(buffer, first, at, count)
+                out.append(None)
+            except DiskTierError as e:
+                out.append(e)
+        return out
 
     def _aio_runs(self, write: bool, buffer: np.ndarray, runs: Sequence[Run]) -> List[Optional[DiskTierError]]:
         """One ``lio_listio`` call for ``runs``; the same errors, counters and one line per
