@@ -45,14 +45,16 @@ def _checks(tmp, world_size, sharding):
     }
 
 
+# (conftest's inplace_and_stale_launches runs _checks(..., 2, "row_wise") on 2 ranks and
+# _checks(..., 1, "table_wise_rank0") on 1, in the launches test_stale_writes' checks share)
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return _launch(2, _checks(tmp_path_factory.mktemp("dcp2"), 2, "row_wise"))
+def two_ranks(inplace_and_stale_launches):
+    return inplace_and_stale_launches[("inplace", 2)]
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    return _launch(1, _checks(tmp_path_factory.mktemp("dcp1"), 1, "table_wise_rank0"))
+def one_rank(inplace_and_stale_launches):
+    return inplace_and_stale_launches[("inplace", 1)]
 
 
 def _assert_inplace(results):

@@ -48,14 +48,16 @@ def _checks(sharding: str):
     }
 
 
+# (conftest's inplace_and_stale_launches runs _checks("table_wise_rank0") on 1 rank and
+# _checks("row_wise") on 2, in the launches test_inplace_and_pins' checks share)
 @pytest.fixture(scope="module")
-def one_rank():
-    return _launch(1, _checks("table_wise_rank0"))
+def one_rank(inplace_and_stale_launches):
+    return inplace_and_stale_launches[("stale", 1)]
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return _launch(2, _checks("row_wise"))
+def two_ranks(inplace_and_stale_launches):
+    return inplace_and_stale_launches[("stale", 2)]
 
 
 def _assert_stale_writes(results):
