@@ -194,3 +194,32 @@ def test_write_only_rows_read_nothing_and_whole_pages_are_written_unread(tmp_pat
         assert w[:, 0].tolist() == [4.0, 4.0, 4.0, 0.0]
     finally:
         tier.close()
+
+
+class _EndsWhileLookedAt:
+    """A write's ``event`` that ends between two looks at it (it is running when first asked)."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+
+def test_a_write_ending_while_a_share_splits_its_runs_leaves_each_run_in_one_group():
+    """The bench found a ticket whose rows were handed out before they arrived: a share split
+    its runs into "earlier writes ended" and "not yet" with two looks at each write, and a
+    write that ended between them put its run in neither group (never read) or both (counted
+    twice, so the ticket was ready early). One look decides now."""
+    from torchrec_proactive.store.disk_host_tier import _PageWrite, _Run, _split_by_writes
+
+    def run(first, after):
+        return _Run(first, 0, 1, True, 0, 1, 0, 0, after, None)
+
+    write = _PageWrite(1, 3, 4)
+    write.event = _EndsWhileLookedAt()
+    runs = [run(1, []), run(3, [write]), run(7, [])]
+    free, held = _split_by_writes(runs)
+    assert sorted(r.first for r in free + held) == [1, 3, 7]  # each run once
+    assert [r.first for r in held] == [3] and write.event.looks == 1

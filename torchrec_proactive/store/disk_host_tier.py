@@ -104,6 +104,17 @@ def record_layout(components: Sequence[Component]) -> Tuple[List[int], int]:
     return offsets, max(8, -(-at // 8) * 8)
 
 
+def _split_by_writes(runs: List["_Run"]) -> Tuple[List["_Run"], List["_Run"]]:
+    """``(free, held)``: the runs whose earlier writes have all ended, and the others - each
+    run in exactly one, by one look at each write (a write may end while this runs: two
+    looks could put a run in both groups, or in neither)."""
+    free: List[_Run] = []
+    held: List[_Run] = []
+    for run in runs:
+        (free if all(pw.event.is_set() for pw in run.after) else held).append(run)
+    return free, held
+
+
 def _spans(spans: List[Tuple[int, int]]) -> np.ndarray:
     """The indices of half-open ``[a, b)`` spans, concatenated (vector ops)."""
     if not spans:
@@ -603,9 +614,7 @@ class DiskHostTier:
         copy of all their read rows into their slots, then their writes. The copy precedes
         the writes, so an orphan's row is in DRAM (dirty) even if its write fails again; a
         write's end is marked as soon as its group's writes ended, for what follows it."""
-        free = [r for r in runs if all(pw.event.is_set() for pw in r.after)]
-        held = [r for r in runs if not all(pw.event.is_set() for pw in r.after)]
-        for group in (free, held):
+        for group in _split_by_writes(runs):
             if group:
                 self._move_group(ticket, group)
         self._finish(ticket, 1)
