@@ -24,37 +24,23 @@ from unittest import mock
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig, ShardedEmbeddingTable
-from torchrec.modules.embedding_configs import DataType, PoolingType
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 
 from torchrec_proactive.fetch import FetchEngine
 from torchrec_proactive.integration.embedding_kernel import ProactiveEmbeddingBag
+from torchrec_proactive.integration.host_tier_probe import _grouped_config
 from torchrec_proactive.integration.options import ProactiveOptions
 from torchrec_proactive.store.host_memory import HostBytes, fake_host_mapped
 
 from .device_kernel_fixture import single_rank_group
 
-GPU_PLACEMENT = "rank:0/cuda:0"  # what TorchRec's plan says for rank 0 on a GPU (sharding_plan.placement)
 TABLES = (("a", 300), ("b", 100))
 DIM = 8
 
 
 def _config() -> GroupedEmbeddingConfig:
-    configs = []
-    for name, rows in TABLES:
-        shard = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[rows, DIM], placement=GPU_PLACEMENT)
-        meta = ShardedTensorMetadata(shards_metadata=[shard], size=torch.Size([rows, DIM]),
-                                     tensor_properties=TensorProperties())
-        configs.append(ShardedEmbeddingTable(
-            num_embeddings=rows, embedding_dim=DIM, name=name, feature_names=[f"f_{name}"], local_rows=rows,
-            local_cols=DIM, pooling=PoolingType.SUM, compute_kernel=EmbeddingComputeKernel.FUSED_UVM,
-            local_metadata=shard, global_metadata=meta))
-    return GroupedEmbeddingConfig(data_type=DataType.FP32, pooling=PoolingType.SUM, is_weighted=False,
-                                  has_feature_processor=False, compute_kernel=EmbeddingComputeKernel.FUSED_UVM,
-                                  embedding_tables=configs)
+    return _grouped_config(TABLES, DIM)  # (placed as TorchRec places a shard on a GPU: rank:0/cuda:0)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "exact_row_wise_adagrad"])
