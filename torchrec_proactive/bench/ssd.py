@@ -332,7 +332,7 @@ class _DiskWatch:
         # Per call moving reads: (start, end, reads in flight during it, reads it moved).
         self.reads: List[Tuple[float, float, int, int]] = []
         self.timed: List[str] = []
-        self.cap: Optional[int] = None  # reads in flight at most (the file's descriptors), where calls overlap
+        self.cap: Optional[int] = None  # reads in flight at most (the file's in_flight_limit), where calls overlap
         queued, io, reads = self.queued, self._io, self.reads
         prefetch = getattr(disk, "prefetch", None)
         if prefetch is not None:
@@ -362,41 +362,23 @@ class _DiskWatch:
             self.timed.append("disk tickets' I/O")
             break
         file = disk.file
-        read_runs = getattr(file, "read_runs", None)
-        if read_runs is not None:
-            # A call moves a share of a ticket's reads: all in flight together with the aio
-            # backend (up to the file's descriptors), one after another with threads.
-            together = getattr(file, "io_backend", "threads") == "aio"
-            lanes = int(getattr(getattr(file, "_aio", None), "lanes", 0) or getattr(file, "io_threads", 1))
-            self.cap = lanes
+        # A call moves a share of a ticket's reads: all in flight together with the aio
+        # backend (up to the file's in-flight limit), one after another with threads.
+        together = file.io_backend == "aio"
+        lanes = self.cap = file.in_flight_limit
+        read_runs = file.read_runs
 
-            def timed_reads(buffer: Any, runs: Any, _read: Any = read_runs) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _read(buffer, runs)
-                finally:
-                    n = len(runs)
-                    if n:
-                        reads.append((t0, time.perf_counter(), min(n, lanes) if together else 1, n))
+        def timed_reads(buffer: Any, runs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return read_runs(buffer, runs)
+            finally:
+                n = len(runs)
+                if n:
+                    reads.append((t0, time.perf_counter(), min(n, lanes) if together else 1, n))
 
-            file.read_runs = timed_reads
-            self.timed.append("read requests")
-        else:
-            for name in ("read_run", "_read_run"):  # (one request, on an I/O thread)
-                read = getattr(file, name, None)
-                if read is None:
-                    continue
-
-                def timed_read(*args: Any, _read: Any = read) -> None:
-                    t0 = time.perf_counter()
-                    try:
-                        _read(*args)
-                    finally:
-                        reads.append((t0, time.perf_counter(), 1, 1))
-
-                setattr(file, name, timed_read)
-                self.timed.append("read requests")
-                break
+        file.read_runs = timed_reads
+        self.timed.append("read requests")
 
     @property
     def ok(self) -> bool:
@@ -884,7 +866,7 @@ class _Bench:
             every_row = _check_file(disk, dram)
             self._phase("comparing every row", t)
             o_direct, fallback = bool(file.o_direct), file.fallback_reason
-            io_backend = str(getattr(file, "io_backend", "threads"))
+            io_backend = file.io_backend
             table_bytes, host_bytes = int(file.size), int(disk.disk.num_slots * disk.disk.record)
         finally:
             for table in (disk, dram):

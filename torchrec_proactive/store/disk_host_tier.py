@@ -658,8 +658,7 @@ class DiskHostTier:
                 ticket._reads_left -= len(done)
                 if ticket._reads_left == 0 and ticket._read_error is None:
                     ticket._ready.set()
-        ok = [r for r in runs if id(r) not in failed]
-        writing = [r for r in ok if r.w1 > r.w0]
+        writing = [r for r in runs if r.w1 > r.w0 and id(r) not in failed]
         errors = dict(zip(map(id, writing), self._moved(True, ticket._staging, writing)))
         written = sum(r.w1 - r.w0 for r in writing if errors[id(r)] is None)
         if written:

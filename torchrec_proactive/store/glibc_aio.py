@@ -72,11 +72,12 @@ def _load() -> Optional[ctypes.CDLL]:
         if (not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc"
                 or ctypes.sizeof(ctypes.c_void_p) != 8):
             return None
-        for name in ("c", "rt"):
-            path = ctypes.util.find_library(name)
+        for library in ("c", "rt"):
+            path = ctypes.util.find_library(library)
             try:
                 lib = ctypes.CDLL(path, use_errno=True)
-                funcs = [lib.lio_listio, lib.aio_init, lib.aio_error, lib.aio_suspend]
+                for symbol in ("lio_listio", "aio_init", "aio_error", "aio_suspend"):
+                    getattr(lib, symbol)  # (AttributeError where this library lacks one)
             except (OSError, AttributeError, TypeError):
                 continue
             lib.lio_listio.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -87,7 +88,6 @@ def _load() -> Optional[ctypes.CDLL]:
             lib.aio_suspend.restype = ctypes.c_int
             lib.aio_init.argtypes = [ctypes.c_void_p]
             lib.aio_init.restype = None
-            del funcs
             # Before any request (later calls are ignored by glibc): threads that exit after a
             # second idle, so an idle job holds none.
             lib.aio_init(ctypes.byref(_AioInit(aio_threads=MAX_THREADS, aio_num=4 * MAX_THREADS, aio_idle_time=1)))

@@ -30,8 +30,8 @@ after another with ``threads``: :meth:`RowFile.shares` says how to split work ac
 pool, :meth:`RowFile.submit` puts a share on it), for a caller that orders requests itself
 (the host cache). Counters: requests, pages and bytes moved, and reads in flight
 (``reads_in_flight_max``; the mean, over reads, of the reads in flight when one starts:
-``reads_in_flight_mean``; with ``aio`` a batch counts as ``min(its requests, io_threads)``
-in flight from its start to its end).
+``reads_in_flight_mean``; with ``aio`` a batch counts as ``min(its requests,
+in_flight_limit)`` in flight from its start to its end).
 
 Faults are :class:`DiskTierError` naming the table, the file and what happened: a directory
 that cannot hold the file, a full disk, a short read, a file truncated or replaced under the
@@ -333,11 +333,11 @@ class RowFile:
 
     def _reads_start(self, in_flight: int, reads: int) -> None:
         """``reads`` start, adding ``in_flight`` to the reads in flight (each of them sees the
-        new count; never more than ``io_threads``: with ``aio``, calls that overlap share the
-        file's descriptors)."""
+        new count; never more than ``in_flight_limit``: with ``aio``, calls that overlap share
+        the file's descriptors)."""
         with self._lock:
             self._reads_now += in_flight
-            now = min(self._reads_now, self._threads)
+            now = min(self._reads_now, self.in_flight_limit)
             self.reads_in_flight_max = max(self.reads_in_flight_max, now)
             self._reads_in_flight_sum += now * reads
 
@@ -373,6 +373,12 @@ class RowFile:
     @property
     def io_threads(self) -> int:
         return self._threads
+
+    @property
+    def in_flight_limit(self) -> int:
+        """Requests of this file in flight at most: ``io_threads``, or with ``aio`` the
+        descriptors it got (fewer where the process ran out of them)."""
+        return self._aio.lanes if self._aio is not None else self._threads
 
     def shares(self, runs: List[_T]) -> List[List[_T]]:
         """``runs`` split into the shares of work to run on the pool at once: with ``aio``
@@ -442,7 +448,7 @@ class RowFile:
         want = r[:, 2] * pb
         requests = np.stack((r[:, 0] * pb, r[:, 1] * pb, want), axis=1)
         n = len(runs)
-        lanes = min(n, aio.lanes)
+        lanes = min(n, self.in_flight_limit)
         if not write:
             self._reads_start(lanes, n)
         try:
