@@ -384,15 +384,17 @@ def test_wrong_models_fail_where_the_model_does_not():
     f = fit(runs)
     model = [c for c in validate(runs, f) if c["held_out"]]
     # The model holds on every held-out entry the null model misses (the entries that tell
-    # the two apart). The recorded run of 7 Dec is off by 15.8% on one other entry (1 rank,
-    # depth 1, where the null model is off by 14.2% as well): the README reports it, and
-    # the verdict test above holds the summary to those figures.
+    # the two apart), and there are enough of them for the validation to be falsifiable (the
+    # burst runs added on 7 Dec: 7 entries). The recorded run is off by 15.8% on one other
+    # entry (1 rank, depth 1, where the null model is off by 14.2% as well): the README
+    # reports it, and the verdict test above holds the summary to those figures.
     telling = [c for c in model if c["discriminating"]]
-    assert telling and all(abs(c["error"]) <= HELD_OUT_TARGET for c in telling)
-    # (Only the null model: on the recorded run the wrong model without depth 1's issue delay
-    # is off where the model is and nowhere else - that run cannot tell them apart, as its
-    # `wrong_models` entry says; the falsifiable set below tells every wrong model apart.)
-    for wrong in ("null",):
+    assert len(telling) >= MIN_DISCRIMINATING and all(abs(c["error"]) <= HELD_OUT_TARGET for c in telling)
+    # The null model and the mean-copy model (no bursts) each miss entries the model gets
+    # within target. (Not the model without depth 1's issue delay: on the recorded runs it is
+    # within 14.8% of every entry - they cannot tell the two apart, as its `wrong_models`
+    # entry says; the falsifiable set below does.)
+    for wrong in ("null", "mean_load"):
         held = [c for c in validate(runs, f, wrong) if c["held_out"]]
         assert max(abs(c["error"]) for c in held) > HELD_OUT_TARGET, wrong
         # it misses an entry the model gets within target

@@ -441,7 +441,8 @@ def _check_trace(path: Path, study: Any) -> None:
 
 #: The held-out runs ``--scaling`` measures besides the straggler runs: each built where the
 #: null model (no schedule) and the step model disagree by more than the 15% target.
-HELD_OUT_RUNS = ("slow_link", "bursts", "bursts_2_ranks", "multi_hot")
+HELD_OUT_RUNS = ("slow_link", "bursts", "bursts_2_ranks", "multi_hot", "long_bursts", "long_bursts_2_ranks",
+                 "rare_bursts", "rare_bursts_2_ranks")
 
 
 def _small_settings(settings: Any, args: argparse.Namespace, **workload: Any) -> Any:
@@ -469,7 +470,16 @@ def _held_out_runs(settings: Any, args: argparse.Namespace) -> List[Tuple[str, A
       and stalls the steps behind it, while the mean copy fits;
     * ``bursts_2_ranks``: the same on 2 table-wise ranks;
     * ``multi_hot``: 8 ids a sample and table (64 samples), the slow link: planning and the
-      hand-off grow with the ids."""
+      hand-off grow with the ids;
+    * ``long_bursts`` and ``long_bursts_2_ranks`` (1 and 2 ranks): every 8th batch cold beside a
+      50% cache, the mean copy 1.3 resident steps, depths 1, 2 and 4: meant to make a burst's
+      copy several steps long, so that it stalls depth 2 as well as depth 1. Measured, a burst
+      copied only ~3x the other batches' rows (they still miss a 50% cache), and only depth 1
+      on 2 ranks told the models apart;
+    * ``rare_bursts`` and ``rare_bursts_2_ranks``: the same with Zipf(1.4) ids, whose batches
+      bring few rows the cache has not seen (a cache of the bench's length is never full, so
+      what a batch misses is what it sees first: a larger cache changes nothing, measured), the
+      mean copy one resident step: a burst's copy is several steps long."""
     names = args.scaling_held_out or (["bursts"] if args.quick else list(HELD_OUT_RUNS))
     if "none" in names:
         return []
@@ -487,6 +497,16 @@ def _held_out_runs(settings: Any, args: argparse.Namespace) -> List[Tuple[str, A
             s = _small_settings(settings, args, ids_per_feature=8)
             out.append(("held-out: multi-hot", replace(s, workload=replace(s.workload, batch_size=64),
                                                        target_fetch_fraction=1.7), 1))
+        elif name in ("long_bursts", "long_bursts_2_ranks"):
+            s = replace(_small_settings(settings, args, burst_every=8), cache_load_factor=0.5, depths=(1, 2, 4),
+                        target_fetch_fraction=1.3)
+            two = name.endswith("2_ranks")
+            out.append((f"held-out: long bursts{', 2 ranks' if two else ''}", s, 2 if two else 1))
+        elif name in ("rare_bursts", "rare_bursts_2_ranks"):
+            s = replace(_small_settings(settings, args, burst_every=8, zipf_alpha=1.4), cache_load_factor=0.5,
+                        depths=(1, 2, 4), target_fetch_fraction=1.0)
+            two = name.endswith("2_ranks")
+            out.append((f"held-out: rare bursts{', 2 ranks' if two else ''}", s, 2 if two else 1))
     return out
 
 
