@@ -4,6 +4,7 @@ trains the proactive tables from files under ``tier.dir``, and ``compare`` stays
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,45 @@ def test_tier_disk_depth_needs_tier_ssd(tmp_path: Path) -> None:
     run = cli_here("train", "--nproc", "1", "experiment=ci_tiny", "tier.disk_depth=4",
                    f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
     assert run.rc == 2 and "tier.disk_depth" in run.err and "tier=ssd" in run.err, run
+
+
+@pytest.mark.multiprocess
+def test_host_caches_planned_from_the_data_train_exactly(tmp_path: Path) -> None:
+    """``tier.host_budget_mb``: each rank's tables on disk share the budget, split by their
+    miss-ratio curves at the disk depth (logged per rank); the run stays bit-identical to
+    depth 0, and each planned size is what the store was given."""
+    run = cli("compare", "--nproc", "2", "experiment=ci_tiny", "tier=ssd", f"tier.dir={tmp_path / 'nvme'}",
+              "tier.host_budget_mb=0.2", "tier.disk_depth=2", "train.epochs=1", "train.eval=false",
+              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'cmp'}", timeout=600)
+    assert run.rc == 0, run
+    assert "final parameters bit-identical: yes" in run.out, run
+    plans = [ln for ln in run.err.splitlines() if "host cache plan:" in ln]
+    # each rank's tables, its own budget (logged by rank 0, which plans for every rank)
+    assert {re.search(r"\] rank (\d+) host cache plan", ln).group(1) for ln in plans} == {"0", "1"}, plans
+    table_rows = {t: int(n) for t, n in re.findall(r"(t_cat_\d+) \d+/(\d+)", run.err)}
+    planned = {t: int(n) for ln in plans for t, n in re.findall(r"(t_cat_\d+) (\d+) rows \(", ln)}
+    assert set(planned) == set(table_rows), plans
+    # a budget below the tables' rows: some tables whole, some cut, by their curves
+    assert any(planned[t] < table_rows[t] for t in planned) and any(planned[t] == table_rows[t] for t in planned)
+    for ln in plans:
+        used, given = map(int, re.search(r"plan: (\d+) of (\d+) bytes", ln).groups())
+        assert given == int(0.2 * 2**20) and used <= given, ln
+
+
+def test_a_host_budget_below_the_pinned_rows_names_tier_host_budget_mb(tmp_path: Path) -> None:
+    run = cli("train", "--nproc", "1", "experiment=ci_tiny", "tier=ssd", f"tier.dir={tmp_path / 'nvme'}",
+              "tier.host_budget_mb=0.001", "train.eval=false", "train.max_steps=4",
+              f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
+    assert run.rc == 2, run
+    (line,) = [ln for ln in run.err.splitlines() if "tier.host_budget_mb=0.001 is too small" in ln]
+    assert "rank 0" in line and "give at least" in line, line
+    assert "Traceback" not in run.err, run
+
+
+def test_tier_host_budget_mb_needs_tier_ssd_and_whole_tables(tmp_path: Path) -> None:
+    common = [f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}"]
+    run = cli_here("train", "--nproc", "1", "experiment=ci_tiny", "tier.host_budget_mb=1", *common)
+    assert run.rc == 2 and "tier.host_budget_mb" in run.err and "tier=ssd" in run.err, run
+    run = cli_here("train", "--nproc", "1", "experiment=ci_tiny", "tier=ssd", f"tier.dir={tmp_path / 't'}",
+                   "tier.host_budget_mb=1", "sharding=row_wise", *common)
+    assert run.rc == 2 and "tier.host_budget_mb" in run.err and "'row_wise'" in run.err, run

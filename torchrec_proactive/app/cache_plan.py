@@ -20,8 +20,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagConfig
+from torchrec.distributed.types import ShardingPlan
 
 from ..cacheplan.curve import MissRatioCurve
+from ..cacheplan.host_plan import HostBudgetError, plan_host_caches
 from ..cacheplan.planner import WHOLE_ROW_SHARDINGS, CacheBudgetError, CachePlan, budget_refusal, plan_cache_sizes
 from ..cacheplan.profile import PROFILE_FILE, fingerprint, load_profile, profile_batches, save_profile
 from ..config.schema import Config
@@ -66,10 +68,11 @@ def _global_batches(pre: PreprocessedCriteo, cfg: Config, world_size: int):
 
 
 def profile_here(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[EmbeddingBagConfig], world_size: int,
-                 depth: int, log: logging.Logger) -> Tuple[Dict[str, MissRatioCurve], Path, bool]:
-    """The curves (reused from the saved profile if its fingerprint matches), where they are,
-    and whether they were reused."""
-    path = profile_path(cfg)
+                 depth: int, log: logging.Logger, path: Optional[Path] = None
+                 ) -> Tuple[Dict[str, MissRatioCurve], Path, bool]:
+    """The curves (reused from the saved profile at ``path``, default :func:`profile_path`,
+    if its fingerprint matches), where they are, and whether they were reused."""
+    path = path or profile_path(cfg)
     fp = fingerprint(_data_files(pre), tables=[(t.name, t.num_embeddings, list(t.feature_names)) for t in tables],
                      batch_size=cfg.train.batch_size, world_size=world_size, depth=depth,
                      profile_batches=cfg.cache.profile_batches, eval_fraction=cfg.data.eval_fraction)
@@ -148,6 +151,50 @@ def plan_run_caches(cfg: Config, model: torch.nn.Module, sharder: Any, pre: Prep
         log.info("cache plan: the curves model LRU eviction; with cache.eviction_policy=%s the hit rates differ "
                  "from the planned ones (the sizes still hold the pinned rows)", cfg.cache.eviction_policy)
     return plan
+
+
+def host_profile_path(cfg: Config) -> Path:
+    """The host caches' profile, beside the device caches' (another depth: the disk's)."""
+    path = profile_path(cfg)
+    return path.with_name(f"{path.stem}_host{path.suffix}")
+
+
+def plan_run_host_caches(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[EmbeddingBagConfig],
+                         sharding_plan: ShardingPlan, world_size: int, log: logging.Logger) -> Dict[str, int]:
+    """``tier.host_budget_mb``: each table's host cache in bytes, planned on rank 0 from the
+    data's curves at the disk depth (:func:`~torchrec_proactive.cacheplan.host_plan.plan_host_caches`),
+    each rank's budget over the tables the (table-wise) plan put on it; the same on every rank.
+    A budget below a rank's floors is a :class:`ConfigError` naming ``tier.host_budget_mb``."""
+    from ..store import OptimizerConfig as StoreOptimizer
+    from ..store.tiered_table import disk_record_bytes
+    from .model import fused_params
+
+    depth = cfg.tier.disk_depth if cfg.tier.disk_depth is not None else cfg.cache_depth
+    optimizer = StoreOptimizer.from_fused_params(fused_params(cfg.optimizer))
+    dims = {t.name: t.embedding_dim for t in tables}
+    on_rank: Dict[int, List[str]] = {}
+    for module_plan in sharding_plan.plan.values():
+        for name, ps in module_plan.items():  # type: ignore[union-attr]
+            if name in dims and ps.compute_kernel == "key_value":
+                on_rank.setdefault(int(ps.ranks[0]), []).append(name)  # (table-wise: one rank)
+    budget = int(cfg.tier.host_budget_mb * 2**20)
+
+    def work() -> Dict[str, int]:
+        curves, path, reused = profile_here(cfg, pre, tables, world_size, depth, log, host_profile_path(cfg))
+        log.info("host cache profile: %s %s (at the disk depth %d)", "reused" if reused else "measured", path, depth)
+        out: Dict[str, int] = {}
+        for rank, names in sorted(on_rank.items()):
+            try:
+                plan = plan_host_caches({n: curves[n] for n in names},
+                                        {n: disk_record_bytes(dims[n], optimizer) for n in names}, budget)
+            except HostBudgetError as e:
+                raise ConfigError(f"tier.host_budget_mb={cfg.tier.host_budget_mb:g} is too small for rank {rank}'s "
+                                  f"tables: {e}") from None
+            log.info("rank %d %s", rank, plan.describe())
+            out.update(plan.host_cache_bytes)
+        return out
+
+    return _on_rank0(work)
 
 
 _checked: Dict[Tuple[str, int], CachePlan] = {}

@@ -150,6 +150,10 @@ def build_sharder(cfg: Config, slots: Dict[str, int], tables: Sequence[Any] = ()
         # does not partition its cache yet, so there each table gets a store of its own
         # (TorchRec: one TBE per table), else the group would share one cache.
         fused[USE_ONE_TBE_PER_TABLE] = True
+    if cfg.tier.kind == "ssd" and cfg.tier.host_budget_mb:
+        # Planned host caches: one store per table, else a group's tables would share the
+        # sum of their sizes (one host cache per store) and the split would not hold.
+        fused[USE_ONE_TBE_PER_TABLE] = True
     host_cache = ({t.name: int(cfg.tier.host_cache_mb * 2**20) for t in tables} if cfg.tier.kind == "ssd" else None)
     options: Dict[str, Any] = dict(cache_load_factor=cfg.cache.load_factor, eviction_policy=cfg.cache.eviction_policy,
                                    num_slots=slots, link=link)
@@ -180,8 +184,17 @@ def plan(model: DLRMTrain, sharder: Sharders, cfg: Config, env: RankEnv,
         model, sharder, cfg.sharding.type, kernel=kernel, world_size=env.world_size,
         local_size=env.local_world_size, device_type=env.device.type,
         cache_load_factor=(load_factors or cfg.cache.load_factor) if cfg.sharding.kernel == "fused_uvm_caching" else None,
-        sharding_types=WHOLE_ROW_SHARDINGS if load_factors else None, key_value_params=kv, ssd_cap_bytes=ssd_cap,
+        sharding_types=_whole_table_types(cfg, load_factors), key_value_params=kv, ssd_cap_bytes=ssd_cap,
     )
+
+
+def _whole_table_types(cfg: Config, load_factors: Optional[Mapping[str, float]]) -> Optional[Sequence[str]]:
+    """The sharding types a plan of planned caches keeps to: those whose shards hold every
+    row (the curves measure whole tables); table-wise only for planned host caches, each of
+    which one rank's budget pays for whole."""
+    if cfg.tier.kind == "ssd" and cfg.tier.host_budget_mb:
+        return ("table_wise",)
+    return WHOLE_ROW_SHARDINGS if load_factors else None
 
 
 def tier_parent(directory: str) -> Path:
@@ -240,6 +253,15 @@ def with_slots(sharder: Sharders, slots: Dict[str, int]) -> Sharders:
     depend on the plan). Each sharder gets them all; it uses its own tables'."""
     for s in as_sharders(sharder):
         s.options = dataclasses.replace(s.options, num_slots=dict(slots))  # type: ignore[attr-defined]
+    return sharder
+
+
+def with_host_caches(sharder: Sharders, host_cache_bytes: Mapping[str, int]) -> Sharders:
+    """``sharder`` (one or a list) with per-table host caches of tables on disk (planned
+    after the sharding plan: they depend on where each table went)."""
+    for s in as_sharders(sharder):
+        if hasattr(s, "host_cache_bytes"):  # (the EBC sharder: the disk tier serves bags)
+            s.host_cache_bytes = dict(host_cache_bytes)  # type: ignore[attr-defined]
     return sharder
 
 

@@ -99,6 +99,11 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
                                              shard_rows=model_lib.shard_rows(plan))
         if notes and log_config:
             log.info("%s", model_lib.describe_growth(notes, depth))
+    if cfg.tier.kind == "ssd" and cfg.tier.host_budget_mb:  # host caches from the data's curves too
+        from .cache_plan import plan_run_host_caches
+
+        host = plan_run_host_caches(cfg, pre, tables, plan, env.world_size, log)
+        sharder = model_lib.with_host_caches(sharder, host)
     dmp = model_lib.shard(model, model_lib.with_slots(sharder, slots), cfg, env, plan)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
     pipeline = ProactiveTrainPipeline(dmp, optimizer, env.device, prefetch_depth=cfg.prefetch.initial_depth,

@@ -339,6 +339,11 @@ class TierConfig:
     host_cache_mb: float = 64.0
     """``ssd``: each table shard's host cache, in MiB (TorchRec's ``l2_cache_size`` is whole
     GB per group; this is finer)."""
+    host_budget_mb: float = 0.0
+    """``ssd``: > 0 plans the host caches from the data instead: each rank's tables share this
+    many MiB of DRAM, split by their miss-ratio curves (measured on ``cache.profile_batches``
+    batches at the disk depth) where a byte saves the most disk reads; the tables are then
+    placed table-wise (the curves measure whole tables). 0: ``tier.host_cache_mb`` each."""
     disk_depth: Optional[int] = None
     """``ssd``: how many batches ahead the tables' disk reads are queued (the pipeline's
     ``disk_depth``, >= the prefetch depth: a disk read takes longer than a step, a DRAM
@@ -348,6 +353,10 @@ class TierConfig:
     def __post_init__(self) -> None:
         _choice("tier.kind", self.kind, TIER_KINDS)
         _positive("tier.host_cache_mb", self.host_cache_mb)
+        _at_least("tier.host_budget_mb", self.host_budget_mb, 0)
+        if self.host_budget_mb and self.kind != "ssd":
+            _fail("tier.host_budget_mb", self.host_budget_mb, f"plans the host caches of tables on disk: needs "
+                  f"tier=ssd, got tier.kind={self.kind!r}")
         if self.disk_depth is not None:
             _at_least("tier.disk_depth", self.disk_depth, 0)
         if self.kind == "ssd" and not self.dir:
@@ -440,6 +449,10 @@ class Config:
             _fail("tier.disk_depth", self.tier.disk_depth,
                   f"must be >= the prefetch depth {self.prefetch.capacity_depth} (the disk hop runs at least as far "
                   f"ahead as the host-to-device hop)")
+        if self.tier.host_budget_mb and self.sharding.type not in ("auto", "table_wise"):
+            _fail("tier.host_budget_mb", self.tier.host_budget_mb,
+                  f"plans whole tables' host caches (the curves measure whole tables): needs sharding.type='auto' "
+                  f"or 'table_wise', got {self.sharding.type!r}")
         if self.tier.kind == "ssd" and self.sharding.kernel != "fused_uvm_caching":
             _fail("tier.kind", self.tier.kind, f"'ssd' needs sharding.kernel='fused_uvm_caching' (the proactive tables), "
                   f"got {self.sharding.kernel!r}")

@@ -59,8 +59,8 @@ from .plan import FetchPlan
 from .row_file import RowFile
 from .row_moves import device_alias, move_rows_
 
-__all__ = ["FetchPlan", "Segment", "Stage", "TableStats", "TieredTable", "load_factor_advice", "load_factor_text",
-           "unique_rows"]
+__all__ = ["FetchPlan", "Segment", "Stage", "TableStats", "TieredTable", "disk_record_bytes", "load_factor_advice",
+           "load_factor_text", "unique_rows"]
 
 #: The planners a table can use (``TieredTable(planner=...)``).
 PLANNERS = {"host": HostPlanner, "device": DevicePlanner}
@@ -124,6 +124,20 @@ class Segment:
                 f"{self.shard_row_offset + self.num_rows}))"
             )
         return f"table '{self.name}': id {local} is out of range [0, {self.num_rows})"
+
+
+
+def _disk_components(dim: int, optimizer: OptimizerConfig, dtype: torch.dtype) -> List[Component]:
+    """A file record's parts: the row's weights, then each optimizer state (fp32)."""
+    return [Component("weight", dtype, dim)] + [
+        Component(key, torch.float32, int(np.prod(shape)) if len(shape) else 1)
+        for key, shape in optimizer.state_shapes(dim).items()]
+
+
+def disk_record_bytes(dim: int, optimizer: OptimizerConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one row of a table on disk takes in its file and in its host cache (its weights
+    and optimizer state, aligned): what a host cache budget buys rows with."""
+    return record_layout(_disk_components(dim, optimizer, dtype))[1]
 
 
 class TieredTable:
@@ -317,9 +331,7 @@ class TieredTable:
         ``io_threads``: disk requests in flight at most (this machine's disk reaches its
         reads/s with about 64). A directory that cannot hold the file is one
         ``DiskTierError`` naming the table and the file."""
-        components = [Component("weight", dtype, dim)] + [
-            Component(key, torch.float32, int(np.prod(shape)) if len(shape) else 1)
-            for key, shape in optimizer.state_shapes(dim).items()]
+        components = _disk_components(dim, optimizer, dtype)
         _, record = record_layout(components)
         file = RowFile(Path(directory) / (file_name or f"{name}.rows"), num_rows, record, table=name,
                        io_threads=io_threads)

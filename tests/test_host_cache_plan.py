@@ -1,0 +1,97 @@
+"""Cache planning sizes both levels (issue 42 item 4): the host caches of tables on disk are
+planned from their miss-ratio curves under one DRAM budget (``plan_host_caches``), and the
+real store, replayed on the same batches, reads fewer rows from disk with the planned sizes
+than with the budget split evenly. Counters only: rows the store read from its files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrec_proactive.cacheplan.curve import MissRatioCurve
+from torchrec_proactive.cacheplan.host_plan import HostBudgetError, disk_reads_per_batch, host_floor, plan_host_caches
+from torchrec_proactive.fetch import FetchEngine
+from torchrec_proactive.fetch.lookahead import run_lookahead
+from torchrec_proactive.store import OptimizerConfig, OptimType, TieredTable, pooled_lookup
+
+DIM, STEPS, BAGS = 8, 160, 64
+CONFIG = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05)
+DEVICE_SLOTS = 100
+#: per table: (rows, p) with ids ~ rows * u**p (p = 1: uniform, larger p more skewed) - two
+#: skewed tables beside a large uniform one, whose host rows save few reads each
+TABLES = {"hot": (2000, 3.0), "warm": (2000, 1.8), "huge": (20000, 1.0)}
+EVEN = 800  # host rows a table when the budget is split evenly
+
+
+def _batches(rows: int, p: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        values = (torch.rand(BAGS, generator=g) ** p * rows).long()
+        out.append((values, torch.arange(BAGS + 1), None, torch.randn(BAGS, DIM, generator=g)))
+    return out
+
+
+def _curve(batches, rows: int, depth: int) -> MissRatioCurve:
+    return MissRatioCurve.from_steps([b[0].numpy() for b in batches], rows, depth=depth)
+
+
+def _disk_reads(tmp_path, name, rows, batches, host_slots: int, record: int) -> int:
+    """Rows the real store reads from its file over the batches (depth 1, one table)."""
+    table = TieredTable.on_disk(name, rows, DIM, CONFIG, num_slots=DEVICE_SLOTS, directory=tmp_path,
+                                host_cache_bytes=host_slots * record)
+    try:
+        engine = FetchEngine()
+        anchor = torch.empty(0, requires_grad=True)
+        run_lookahead(table, engine, batches, 1, lambda i, tb, batch: pooled_lookup(tb, anchor).backward(batch[3]))
+        engine.flush([table])
+        return int(table.disk.stats()["row_misses"])
+    finally:
+        table.close()
+
+
+def _record(tmp_path) -> int:
+    table = TieredTable.on_disk("probe", 16, DIM, CONFIG, num_slots=4, directory=tmp_path, host_cache_bytes=1 << 20)
+    try:
+        return table.disk.record
+    finally:
+        table.close()
+
+
+def test_planned_host_caches_read_fewer_rows_from_disk_than_an_even_split(tmp_path):
+    record = _record(tmp_path)
+    batches = {t: _batches(rows, p, seed) for seed, (t, (rows, p)) in enumerate(TABLES.items())}
+    curves = {t: _curve(batches[t], rows, depth=1) for t, (rows, _) in TABLES.items()}
+    budget = len(TABLES) * EVEN * record
+    plan = plan_host_caches(curves, {t: record for t in curves}, budget)
+    assert sum(plan.host_cache_bytes.values()) <= budget
+    assert all(plan.slots[t] >= host_floor(curves[t]) >= 2 * curves[t].pinned_rows for t in curves)
+    # the uniform table's rows save least: it keeps its floor, the skewed ones take the rest
+    assert plan.slots["huge"] == host_floor(curves["huge"]) < EVEN, plan.describe()
+    assert plan.slots["hot"] + plan.slots["warm"] > 2 * EVEN, plan.describe()
+
+    even = {t: _disk_reads(tmp_path, t, TABLES[t][0], batches[t], EVEN, record) for t in TABLES}
+    planned = {t: _disk_reads(tmp_path, t, TABLES[t][0], batches[t], plan.slots[t], record) for t in TABLES}
+    # (the reads a batch sees first are read at any size: the split moves the rest, ~10% here)
+    assert sum(planned.values()) < 0.95 * sum(even.values()), (planned, even, plan.describe())
+
+    # The inclusive reading (misses of a cache of the host's slots) predicts the store's
+    # reads; the exclusive one (device + host slots) is further off on every table.
+    for slots, counted in ((plan.slots, planned), ({t: EVEN for t in TABLES}, even)):
+        for t, c in curves.items():
+            inclusive = disk_reads_per_batch(c, slots[t]) * c.num_batches
+            exclusive = disk_reads_per_batch(c, slots[t] + DEVICE_SLOTS) * c.num_batches
+            assert abs(inclusive - counted[t]) < abs(exclusive - counted[t]), (t, inclusive, exclusive, counted[t])
+            assert abs(inclusive - counted[t]) <= 0.05 * counted[t], (t, inclusive, counted[t])
+
+
+def test_a_host_budget_below_the_pinned_rows_is_one_line_naming_the_minimum():
+    curve = _curve(_batches(2000, 2.5, 0), 2000, depth=4)
+    floor = host_floor(curve)
+    with pytest.raises(HostBudgetError) as e:
+        plan_host_caches({"t": curve}, {"t": 48}, budget_bytes=10 * 48)
+    assert e.value.minimum_bytes == floor * 48
+    assert "\n" not in str(e.value) and f"t {floor} rows" in str(e.value) and str(floor * 48) in str(e.value)
+    # at the minimum exactly, every table gets its floor
+    plan = plan_host_caches({"t": curve}, {"t": 48}, budget_bytes=e.value.minimum_bytes)
+    assert plan.slots == {"t": floor}

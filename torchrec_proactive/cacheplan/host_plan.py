@@ -1,0 +1,109 @@
+"""Host caches of the tables on disk, sized from miss-ratio curves under one DRAM budget.
+
+A table on the disk tier has two caches: the device cache, and below it the host cache in
+DRAM, over the table's file. A row the device cache misses is read into the host cache (from
+the disk when it is not there) and stays there while the device holds it; a row the device
+cache evicts is written back into the host cache. So the host cache holds the device cache's
+rows too, as an inclusive level: the disk reads of a table with a host cache of ``h`` slots
+are about the misses of one LRU cache of ``h`` slots on the table's stream, whatever the
+device cache. (``tests/test_host_cache_plan.py`` replays the real store against this reading
+and against the exclusive one - the misses at ``device + h`` - which undercounts them.)
+
+:func:`plan_host_caches` spends a host budget in bytes on the tables whose next byte saves
+the most disk reads a batch - the same upper-hull allocation as the device caches'
+(:func:`~torchrec_proactive.cacheplan.proposer.allocate_by_curves`) - from each table's
+floor: twice the rows ``disk_depth + 1`` batches pin (the curve's ``pinned_rows``, when the
+curve was measured at the disk depth), which holds those pins and, beside them, the rows the
+device cache writes back for a batch (at most one batch's rows). The result goes to the
+sharder as it is::
+
+    curves = profile_batches(batches, tables, depth=disk_depth)
+    plan = plan_host_caches(curves, record_bytes, budget_bytes=8 << 30)
+    ProactiveEmbeddingBagCollectionSharder(host_cache_bytes=plan.host_cache_bytes, ...)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Mapping
+
+from .curve import MissRatioCurve
+from .proposer import allocate_by_curves
+
+__all__ = ["HostCachePlan", "HostBudgetError", "plan_host_caches", "disk_reads_per_batch", "host_floor"]
+
+
+class HostBudgetError(ValueError):
+    """The host budget cannot hold every table's floor (the rows its staged and in-flight
+    batches pin); ``minimum_bytes`` is the least budget that can."""
+
+    def __init__(self, message: str, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
+@dataclass(frozen=True)
+class HostCachePlan:
+    """Per table: the host cache in bytes (what ``host_cache_bytes`` of the sharder takes)
+    and in rows, and the disk reads a batch its curve expects of it. Invariant: every table's
+    ``slots`` is at least its floor and at most its rows; the bytes sum to at most
+    ``budget_bytes``."""
+
+    host_cache_bytes: Dict[str, int]
+    slots: Dict[str, int]
+    disk_reads_per_batch: Dict[str, float]
+    budget_bytes: int
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{t} {self.slots[t]} rows ({self.host_cache_bytes[t]} bytes, "
+                          f"{self.disk_reads_per_batch[t]:.1f} disk reads/batch)" for t in sorted(self.slots))
+        return f"host cache plan: {sum(self.host_cache_bytes.values())} of {self.budget_bytes} bytes: {parts}"
+
+
+def disk_reads_per_batch(curve: MissRatioCurve, host_slots: int) -> float:
+    """Rows a batch reads from disk with a host cache of ``host_slots`` rows (the inclusive
+    reading above): the distinct rows a batch looks up, less those a cache that size hits."""
+    if not curve.num_batches or host_slots >= curve.num_rows:
+        return 0.0
+    return max(0.0, (curve.accesses - curve.hit_rows(host_slots)) / curve.num_batches)
+
+
+def host_floor(curve: MissRatioCurve) -> int:
+    """The fewest host cache rows a table on disk is planned with: its staged and in-flight
+    batches' pins and one batch's write-backs beside them (see the module's docstring)."""
+    return int(min(curve.num_rows, max(1, 2 * curve.pinned_rows)))
+
+
+def plan_host_caches(curves: Mapping[str, MissRatioCurve], record_bytes: Mapping[str, int],
+                     budget_bytes: int) -> HostCachePlan:
+    """Host cache sizes for the tables in ``curves`` (measured at the disk depth: their
+    ``pinned_rows`` is each host cache's floor) under ``budget_bytes`` of DRAM in all.
+
+    ``record_bytes[t]``: bytes a host cache slot of table ``t`` takes (its row and optimizer
+    state, as the file stores them: ``TieredTable.disk.record``). Raises :class:`HostBudgetError` (one line naming the budget, the minimum and each
+    table's floor) when the budget cannot hold the floors."""
+    names = sorted(curves)
+    missing = [t for t in names if t not in record_bytes]
+    if missing:
+        raise ValueError(f"plan_host_caches: no record_bytes for table(s) {', '.join(missing)}")
+    if budget_bytes < 1:
+        raise ValueError(f"host cache budget must be >= 1 byte, got {budget_bytes!r}")
+    floors = {t: host_floor(curves[t]) for t in names}
+    minimum = sum(floors[t] * int(record_bytes[t]) for t in names)
+    if budget_bytes < minimum:
+        shown = ", ".join(f"{t} {floors[t]} rows" for t in names)
+        raise HostBudgetError(
+            f"host cache budget {budget_bytes} bytes is below the {minimum} bytes the tables' pinned rows need "
+            f"({shown}: the rows their staged and in-flight batches pin, and a batch's write-backs); give at least {minimum} bytes or lower "
+            f"the disk depth", minimum)
+    # In load factors of the host cache (slots / rows), from each floor up to every row.
+    order = [curves[t] for t in names]
+    start = [floors[t] / curves[t].num_rows for t in names]
+    per_clf = [curves[t].num_rows * float(record_bytes[t]) for t in names]
+    factors = allocate_by_curves(order, per_clf, start, budget_bytes - minimum, 1.0)
+    slots = {t: int(min(curves[t].num_rows, max(floors[t], math.floor(lf * curves[t].num_rows + 1e-9))))
+             for t, lf in zip(names, factors)}
+    return HostCachePlan(host_cache_bytes={t: slots[t] * int(record_bytes[t]) for t in names}, slots=slots,
+                         disk_reads_per_batch={t: disk_reads_per_batch(curves[t], slots[t]) for t in names},
+                         budget_bytes=int(budget_bytes))
