@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from torchrec_proactive.cacheplan.curve import MissRatioCurve
-from torchrec_proactive.cacheplan.host_plan import HostBudgetError, disk_reads_per_batch, host_floor, plan_host_caches
+from torchrec_proactive.cacheplan.host_plan import (HostBudgetError, disk_reads_per_batch, effective_slots, host_floor,
+                                                   plan_host_caches)
 from torchrec_proactive.fetch import FetchEngine
 from torchrec_proactive.fetch.lookahead import run_lookahead
 from torchrec_proactive.store import OptimizerConfig, OptimType, TieredTable, pooled_lookup
@@ -95,3 +96,46 @@ def test_a_host_budget_below_the_pinned_rows_is_one_line_naming_the_minimum():
     # at the minimum exactly, every table gets its floor
     plan = plan_host_caches({"t": curve}, {"t": 48}, budget_bytes=e.value.minimum_bytes)
     assert plan.slots == {"t": floor}
+
+
+def test_the_two_levels_read_what_one_cache_of_their_effective_size_misses(tmp_path):
+    """``effective_slots`` (``max(h, d + h / 2)``, its 1/2 fitted on replays of the "warm"
+    table) on the "hot" table, held out, across host caches below, at and above the device
+    cache: within 7% of the store's counted reads, and nearer than the inclusive reading
+    (``max(h, d)``) and the exclusive one (``d + h``) wherever those differ from it."""
+    record = _record(tmp_path)
+    rows, p = TABLES["hot"]
+    batches = _batches(rows, p, 7)
+    curve = _curve(batches, rows, depth=1)
+    for device, host in ((400, 200), (300, 300), (200, 600), (700, 400)):
+        table = TieredTable.on_disk("h", rows, DIM, CONFIG, num_slots=device, directory=tmp_path,
+                                    host_cache_bytes=host * record)
+        try:
+            engine = FetchEngine()
+            anchor = torch.empty(0, requires_grad=True)
+            run_lookahead(table, engine, batches, 1, lambda i, tb, b: pooled_lookup(tb, anchor).backward(b[3]))
+            engine.flush([table])
+            counted = int(table.disk.stats()["row_misses"])
+        finally:
+            table.close()
+
+        def reads(slots: float) -> float:
+            return disk_reads_per_batch(curve, int(round(slots))) * curve.num_batches
+
+        ours = reads(effective_slots(host, device))
+        assert abs(ours - counted) <= 0.07 * counted, (device, host, ours, counted)
+        for other in (max(host, device), device + host):
+            if abs(other - effective_slots(host, device)) > 50:
+                assert abs(ours - counted) < abs(reads(other) - counted), (device, host, other, counted)
+
+
+def test_host_rows_go_where_the_device_cache_leaves_reads():
+    """Two equal tables, one with every row on the device: the budget beyond the floors
+    goes to the other, and the one on the device reads nothing from disk."""
+    rows, p = TABLES["warm"]
+    curve = _curve(_batches(rows, p, 1), rows, depth=1)
+    floor = host_floor(curve)
+    plan = plan_host_caches({"whole": curve, "cached": curve}, {"whole": 40, "cached": 40}, 4 * floor * 40,
+                            device_slots={"whole": rows, "cached": DEVICE_SLOTS})
+    assert plan.slots["whole"] == floor < plan.slots["cached"], plan.describe()
+    assert plan.disk_reads_per_batch["whole"] == 0.0 < plan.disk_reads_per_batch["cached"]

@@ -160,11 +160,13 @@ def host_profile_path(cfg: Config) -> Path:
 
 
 def plan_run_host_caches(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[EmbeddingBagConfig],
-                         sharding_plan: ShardingPlan, world_size: int, log: logging.Logger) -> Dict[str, int]:
+                         sharding_plan: ShardingPlan, world_size: int, log: logging.Logger,
+                         device_slots: Optional[Dict[str, int]] = None) -> Dict[str, int]:
     """``tier.host_budget_mb``: each table's host cache in bytes, planned on rank 0 from the
     data's curves at the disk depth (:func:`~torchrec_proactive.cacheplan.host_plan.plan_host_caches`),
-    each rank's budget over the tables the (table-wise) plan put on it; the same on every rank.
-    A budget below a rank's floors is a :class:`ConfigError` naming ``tier.host_budget_mb``."""
+    each rank's budget over the tables the (table-wise) plan put on it, beside their device
+    caches (``device_slots``); the same on every rank. A budget below a rank's floors is a
+    :class:`ConfigError` naming ``tier.host_budget_mb``."""
     from ..store import OptimizerConfig as StoreOptimizer
     from ..store.tiered_table import disk_record_bytes
     from .model import fused_params
@@ -186,7 +188,8 @@ def plan_run_host_caches(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[
         for rank, names in sorted(on_rank.items()):
             try:
                 plan = plan_host_caches({n: curves[n] for n in names},
-                                        {n: disk_record_bytes(dims[n], optimizer) for n in names}, budget)
+                                        {n: disk_record_bytes(dims[n], optimizer) for n in names}, budget,
+                                        device_slots={n: int((device_slots or {}).get(n, 0)) for n in names})
             except HostBudgetError as e:
                 raise ConfigError(f"tier.host_budget_mb={cfg.tier.host_budget_mb:g} is too small for rank {rank}'s "
                                   f"tables: {e}") from None

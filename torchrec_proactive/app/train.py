@@ -102,7 +102,7 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     if cfg.tier.kind == "ssd" and cfg.tier.host_budget_mb:  # host caches from the data's curves too
         from .cache_plan import plan_run_host_caches
 
-        host = plan_run_host_caches(cfg, pre, tables, plan, env.world_size, log)
+        host = plan_run_host_caches(cfg, pre, tables, plan, env.world_size, log, device_slots=slots)
         sharder = model_lib.with_host_caches(sharder, host)
     dmp = model_lib.shard(model, model_lib.with_slots(sharder, slots), cfg, env, plan)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)
