@@ -222,7 +222,11 @@ class ProactiveEmbeddingBagCollectionSharder(_ProactiveSharding, EmbeddingBagCol
             their own share of its store's cache), ``"per_table"`` or ``"shared"``; see
             ``ProactiveOptions``.
         host_cache_bytes: per ``key_value`` table, its host cache in bytes (finer than the
-            plan's ``l2_cache_size``, which is whole GB per group: for small tables and tests).
+            plan's ``l2_cache_size``, which is whole GB per group), e.g. the
+            ``host_cache_bytes`` of ``cacheplan.plan_host_caches``. The tables of one
+            TorchRec group share one host cache of their sum; to hold a planned split per
+            table, give each table a group of its own (TorchRec's ``use_one_tbe_per_table``
+            fused param), as the app does with ``tier.host_budget_mb``.
     """
 
     def shard(
