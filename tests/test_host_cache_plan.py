@@ -139,3 +139,24 @@ def test_host_rows_go_where_the_device_cache_leaves_reads():
                             device_slots={"whole": rows, "cached": DEVICE_SLOTS})
     assert plan.slots["whole"] == floor < plan.slots["cached"], plan.describe()
     assert plan.disk_reads_per_batch["whole"] == 0.0 < plan.disk_reads_per_batch["cached"]
+
+
+def test_a_plan_never_spends_more_than_its_budget():
+    """Over a sweep of budgets, the planned bytes never exceed the budget (nearly collinear
+    points of a curve's hull once made a later segment look steeper than the one before it,
+    and the allocation took it first, skipping the earlier one's bytes)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"uni": (20000, 1.0), "skew": (5000, 4.0), "mid": (10000, 2.0)}
+    steps = {t: [] for t in shapes}
+    for _ in range(40):
+        for t, (rows, p) in shapes.items():
+            steps[t].append((torch.rand(128, generator=g) ** p * rows).long().numpy())
+    curves = {t: MissRatioCurve.from_steps(steps[t], rows, depth=4) for t, (rows, _) in shapes.items()}
+    record = {"uni": 72, "skew": 72, "mid": 40}
+    minimum = sum(host_floor(c) * record[t] for t, c in curves.items())
+    over = []
+    for budget in range(minimum, 700_000, 997):
+        plan = plan_host_caches(curves, record, budget)
+        if sum(plan.host_cache_bytes.values()) > budget:
+            over.append((budget, sum(plan.host_cache_bytes.values())))
+    assert not over, over[:5]

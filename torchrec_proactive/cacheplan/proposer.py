@@ -66,6 +66,11 @@ def allocate_by_curves(curves: Sequence[MissRatioCurve], bytes_per_clf: Sequence
         take = min(1.0, left / cost)
         out[i] = lo + take * (hi - lo)
         left -= take * cost
+        if take < 1.0:
+            # The budget ends inside this segment. (Rounding can leave `left` a hair above 0:
+            # going on would set a table's factor to the start of a later segment of its own,
+            # past the bytes of the one it is in - spending more than the budget.)
+            break
     return out
 
 
