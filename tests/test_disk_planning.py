@@ -80,3 +80,54 @@ def test_the_planner_refuses_more_disk_tables_than_dram_holds_their_caches():
     assert {ps.compute_kernel for ps in plan.plan[""].values()} == {"key_value"}  # stock: planned
     with pytest.raises(PlannerError):
         planner(DiskTierStorageEstimator).plan(ebc, sharders)
+
+
+def test_the_sharders_host_cache_bytes_are_what_the_planner_counts():
+    """A table given ``host_cache_bytes`` (the sharder's, e.g. ``plan_host_caches``'s; what
+    ``planning.build_plan`` passes) is counted in DRAM at that size, not at
+    ``l2_cache_size``'s (a user trial: a DRAM cap that held the planned caches was refused as
+    too small)."""
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+        for i in range(2)], device=torch.device("meta"))
+    topology = Topology(world_size=1, compute_device="cpu", ssd_cap=1 << 40)
+    kv = KeyValueParams(ssd_storage_directory="/tmp/unused")
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["key_value"],
+                                                 cache_params=CacheParams(load_factor=0.1), key_value_params=kv)
+                   for i in range(2)}
+    host = {"t0": 123_456}
+    sharder = ProactiveEmbeddingBagCollectionSharder(host_cache_bytes=host)
+
+    def ddr(estimator):
+        enumerator = EmbeddingEnumerator(topology=topology, batch_size=512, constraints=constraints,
+                                         estimator=[EmbeddingPerfEstimator(topology, constraints), estimator])
+        return {o.name: o.shards[0].storage.ddr for o in enumerator.enumerate(ebc, [sharder])
+                if o.compute_kernel == "key_value"}
+
+    stock = ddr(EmbeddingStorageEstimator(topology, constraints))
+    ours = ddr(DiskTierStorageEstimator(topology, constraints, host_cache_bytes=host))
+    device_cache = int(0.1 * ROWS) * DIM * 4
+    assert ours["t0"] - stock["t0"] == device_cache + 123_456
+    assert ours["t1"] - stock["t1"] == device_cache + min(DEFAULT_HOST_CACHE_BYTES, ROWS * DIM * 4)
+
+
+def test_host_cache_bytes_without_a_disk_tables_entry_is_said():
+    """A typo in ``host_cache_bytes`` (or a table left out) would size that table's group
+    from ``l2_cache_size`` - 1 GiB unset - without a word: the sharder warns, naming both."""
+    import pytest
+    from torchrec.distributed.types import ParameterSharding
+
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+        for i in range(2)], device=torch.device("meta"))
+    kv = KeyValueParams(ssd_storage_directory="/tmp/unused")
+    params = {f"t{i}": ParameterSharding(sharding_type="table_wise", compute_kernel="key_value", ranks=[0],
+                                         key_value_params=kv) for i in range(2)}
+    sharder = ProactiveEmbeddingBagCollectionSharder(host_cache_bytes={"t0": 1 << 20, "t_1": 1 << 20})
+    with pytest.warns(UserWarning, match=r"no entry for the key_value table\(s\) \['t1'\].*\['t_1'\]"):
+        sharder._mark_cached_tables(ebc, params, {})
+    every = ProactiveEmbeddingBagCollectionSharder(host_cache_bytes={"t0": 1 << 20, "t1": 1 << 20})
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        every._mark_cached_tables(ebc, params, {})

@@ -160,3 +160,20 @@ def test_a_plan_never_spends_more_than_its_budget():
         if sum(plan.host_cache_bytes.values()) > budget:
             over.append((budget, sum(plan.host_cache_bytes.values())))
     assert not over, over[:5]
+
+
+def test_a_budget_is_spent_while_a_table_still_reads_from_disk():
+    """No budget stays idle while a table is not whole: beyond the sample's last reuse the
+    hits rise to all of them at the whole table (steady state), so the budget goes on, and
+    a budget that holds every table makes every table whole, reading nothing from disk."""
+    rows, p = TABLES["huge"]
+    curves = {"huge": _curve(_batches(rows, p, 3), rows, depth=1),
+              "hot": _curve(_batches(TABLES["hot"][0], TABLES["hot"][1], 4), TABLES["hot"][0], depth=1)}
+    record = {"huge": 40, "hot": 40}
+    whole = sum(c.num_rows * 40 for c in curves.values())
+    for budget in (whole // 2, (3 * whole) // 4):
+        plan = plan_host_caches(curves, record, budget)
+        assert budget - 2 * 40 <= sum(plan.host_cache_bytes.values()) <= budget, plan.describe()
+    plan = plan_host_caches(curves, record, whole)
+    assert plan.slots == {t: c.num_rows for t, c in curves.items()}
+    assert set(plan.disk_reads_per_batch.values()) == {0.0}

@@ -101,6 +101,9 @@ def test_host_caches_planned_from_the_data_train_exactly(tmp_path: Path) -> None
     plans = [ln for ln in run.err.splitlines() if "host cache plan:" in ln]
     # each rank's tables, its own budget (logged by rank 0, which plans for every rank)
     assert {re.search(r"\] rank (\d+) host cache plan", ln).group(1) for ln in plans} == {"0", "1"}, plans
+    # both arms (reactive, proactive) get the same host caches: planned once each, alike
+    bodies = [ln.split("] ", 1)[1] for ln in plans]  # (without the time stamp)
+    assert len(bodies) == 4 and bodies[:2] == bodies[2:], plans
     table_rows = {t: int(n) for t, n in re.findall(r"(t_cat_\d+) \d+/(\d+)", run.err)}
     planned = {t: int(n) for ln in plans for t, n in re.findall(r"(t_cat_\d+) (\d+) rows \(", ln)}
     assert set(planned) == set(table_rows), plans
@@ -117,7 +120,8 @@ def test_a_host_budget_below_the_pinned_rows_names_tier_host_budget_mb(tmp_path:
               f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
     assert run.rc == 2, run
     (line,) = [ln for ln in run.err.splitlines() if "tier.host_budget_mb=0.001 is too small" in ln]
-    assert "rank 0" in line and "give at least" in line, line
+    assert "rank 0" in line and "raise tier.host_budget_mb to at least" in line and "tier.disk_depth" in line, line
+    assert " MiB (" in line and " bytes" not in line, line  # (in the key's unit)
     assert "Traceback" not in run.err, run
 
 

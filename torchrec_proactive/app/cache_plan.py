@@ -13,6 +13,7 @@ factors the run's own TorchRec plan carries.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -160,10 +161,10 @@ def host_profile_path(cfg: Config) -> Path:
 
 
 def plan_run_host_caches(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[EmbeddingBagConfig],
-                         sharding_plan: ShardingPlan, world_size: int, log: logging.Logger,
+                         sharding_plan: ShardingPlan, world_size: int, log: logging.Logger, depth: int,
                          device_slots: Optional[Dict[str, int]] = None) -> Dict[str, int]:
     """``tier.host_budget_mb``: each table's host cache in bytes, planned on rank 0 from the
-    data's curves at the disk depth (:func:`~torchrec_proactive.cacheplan.host_plan.plan_host_caches`),
+    data's curves at the disk ``depth`` (:func:`~torchrec_proactive.cacheplan.host_plan.plan_host_caches`),
     each rank's budget over the tables the (table-wise) plan put on it, beside their device
     caches (``device_slots``); the same on every rank. A budget below a rank's floors is a
     :class:`ConfigError` naming ``tier.host_budget_mb``."""
@@ -171,7 +172,6 @@ def plan_run_host_caches(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[
     from ..store.tiered_table import disk_record_bytes
     from .model import fused_params
 
-    depth = cfg.tier.disk_depth if cfg.tier.disk_depth is not None else cfg.cache_depth
     optimizer = StoreOptimizer.from_fused_params(fused_params(cfg.optimizer))
     dims = {t.name: t.embedding_dim for t in tables}
     on_rank: Dict[int, List[str]] = {}
@@ -183,7 +183,9 @@ def plan_run_host_caches(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[
 
     def work() -> Dict[str, int]:
         curves, path, reused = profile_here(cfg, pre, tables, world_size, depth, log, host_profile_path(cfg))
-        log.info("host cache profile: %s %s (at the disk depth %d)", "reused" if reused else "measured", path, depth)
+        log.info("host cache profile: %s %s (at the disk depth %d); tier.host_budget_mb=%g plans the host caches "
+                 "(tier.host_cache_mb is not used)", "reused" if reused else "measured", path, depth,
+                 cfg.tier.host_budget_mb)
         out: Dict[str, int] = {}
         for rank, names in sorted(on_rank.items()):
             try:
@@ -191,8 +193,13 @@ def plan_run_host_caches(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[
                                         {n: disk_record_bytes(dims[n], optimizer) for n in names}, budget,
                                         device_slots={n: int((device_slots or {}).get(n, 0)) for n in names})
             except HostBudgetError as e:
-                raise ConfigError(f"tier.host_budget_mb={cfg.tier.host_budget_mb:g} is too small for rank {rank}'s "
-                                  f"tables: {e}") from None
+                floors = ", ".join(f"{t} {n} rows" for t, n in sorted(e.floors.items()))
+                raise ConfigError(
+                    f"tier.host_budget_mb={cfg.tier.host_budget_mb:g} is too small for rank {rank}'s tables on disk: "
+                    f"their host caches need at least {e.minimum_bytes / 2**20:.4g} MiB ({floors}: the rows "
+                    f"{depth + 1} batches pin, and a batch's write-backs); raise tier.host_budget_mb to at least "
+                    f"{math.ceil(e.minimum_bytes / 2**20 * 1e4) / 1e4:g} or lower tier.disk_depth (now {depth})"
+                ) from None
             log.info("rank %d %s", rank, plan.describe())
             out.update(plan.host_cache_bytes)
         return out

@@ -137,7 +137,8 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
         # the reactive arm is reactive at both hops (tables on disk: no disk read ahead either)
         tier = cfg.tier if prefetch.depth else replace(cfg.tier, disk_depth=None)
         trainers.append(build_run(replace(cfg, prefetch=prefetch, train=train, tier=tier), cache_depth=cache_depth,
-                                  log_config=not trainers))
+                                  log_config=not trainers,
+                                  host_cache_depth=max(cache_depth, cfg.tier.disk_depth or 0)))
     trainers[0].log.info("compare: reactive (prefetch off, depth 0) and proactive (depth %d) side by side on the "
                          "data and caches above", depth)
     timers = [_Rounds(t) for t in trainers]

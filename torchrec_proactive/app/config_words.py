@@ -66,5 +66,8 @@ def host_cache_error(cfg: Any, e: Exception) -> ConfigError:
         tables = len(table.group(1).split("+"))
         mib = int(need.group(1)) / tables / 2**20
         each = f" (at least {mib:.3g} per table shard" + (f", {tables} tables in this group)" if tables > 1 else ")")
+    if cfg.tier.host_budget_mb:  # (the host caches were planned: the budget is the user's word)
+        return ConfigError(f"tier.host_budget_mb={cfg.tier.host_budget_mb:g} planned a host cache too small for "
+                           f"{depth}: {text}; raise tier.host_budget_mb or lower the depths")
     return ConfigError(f"tier.host_cache_mb={cfg.tier.host_cache_mb:g} is too small for {depth}: {text}; raise "
                        f"tier.host_cache_mb{each} or lower the depths")

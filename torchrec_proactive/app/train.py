@@ -40,10 +40,13 @@ def run_training(cfg: Config) -> Summary:
     return summary
 
 
-def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool = True) -> Trainer:
+def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool = True,
+              host_cache_depth: Optional[int] = None) -> Trainer:
     """Everything a run needs, ready to ``fit``. Caches are sized for ``cache_depth``
-    (default: ``cache.sized_for_depth``, else the deepest depth the prefetch config may use).
-    ``log_config=False`` skips the config line (``compare`` builds two runs of one config)."""
+    (default: ``cache.sized_for_depth``, else the deepest depth the prefetch config may use);
+    planned host caches (``tier.host_budget_mb``) for ``host_cache_depth`` (default: the
+    deeper of ``tier.disk_depth`` and the caches' depth). ``log_config=False`` skips the
+    config line (``compare`` builds two runs of one config, with one size for both)."""
     check_run_dir(cfg)  # before anything is written there
     env = make_env(cfg)
     log = setup_logging(env)
@@ -102,7 +105,8 @@ def build_run(cfg: Config, cache_depth: Optional[int] = None, log_config: bool =
     if cfg.tier.kind == "ssd" and cfg.tier.host_budget_mb:  # host caches from the data's curves too
         from .cache_plan import plan_run_host_caches
 
-        host = plan_run_host_caches(cfg, pre, tables, plan, env.world_size, log, device_slots=slots)
+        host_depth = max(depth, cfg.tier.disk_depth or 0) if host_cache_depth is None else host_cache_depth
+        host = plan_run_host_caches(cfg, pre, tables, plan, env.world_size, log, host_depth, device_slots=slots)
         sharder = model_lib.with_host_caches(sharder, host)
     dmp = model_lib.shard(model, model_lib.with_slots(sharder, slots), cfg, env, plan)
     optimizer = model_lib.build_optimizer(dmp, cfg.optimizer)

@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
+import numpy as np
+
 from .curve import MissRatioCurve
 from .proposer import allocate_by_curves
 
@@ -45,9 +47,10 @@ class HostBudgetError(ValueError):
     """The host budget cannot hold every table's floor (the rows its staged and in-flight
     batches pin); ``minimum_bytes`` is the least budget that can."""
 
-    def __init__(self, message: str, minimum_bytes: int) -> None:
+    def __init__(self, message: str, minimum_bytes: int, floors: Optional[Mapping[str, int]] = None) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
+        self.floors: Dict[str, int] = dict(floors or {})  # per table, its floor in rows
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,13 @@ class HostCachePlan:
     slots: Dict[str, int]
     disk_reads_per_batch: Dict[str, float]
     budget_bytes: int
+    device_slots: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
-        parts = ", ".join(f"{t} {self.slots[t]} rows ({self.host_cache_bytes[t]} bytes, "
+        def device(t: str) -> str:
+            return f", over {self.device_slots[t]} device rows" if self.device_slots.get(t) else ""
+
+        parts = ", ".join(f"{t} {self.slots[t]} rows ({self.host_cache_bytes[t]} bytes{device(t)}, "
                           f"{self.disk_reads_per_batch[t]:.1f} disk reads/batch)" for t in sorted(self.slots))
         return f"host cache plan: {sum(self.host_cache_bytes.values())} of {self.budget_bytes} bytes: {parts}"
 
@@ -78,19 +85,34 @@ def effective_slots(host_slots: float, device_slots: float) -> float:
     return max(float(host_slots), float(device_slots) + VICTIM_SHARE * float(host_slots))
 
 
+def _steady(curve: MissRatioCurve) -> MissRatioCurve:
+    """The curve in steady state at the full size: a cache of every row hits every warm
+    access (its first reads come once, not every batch), so between the sample's last reuse
+    and the whole table the hits rise linearly to all of them - a neutral assumption where
+    the sample saw no reuse, which leaves no host byte of a budget idle while a table still
+    reads from disk."""
+    if not curve.sizes or curve.sizes[-1] < curve.num_rows or curve.hits[-1] >= curve.accesses:
+        return curve
+    sizes, hits = np.asarray(curve.sizes, dtype=np.float64), np.asarray(curve.hits, dtype=np.float64)
+    k = int(np.searchsorted(hits, hits[-1], side="left"))  # (the first size with the sample's last hit)
+    rise = (curve.accesses - hits[k]) * (sizes[k:] - sizes[k]) / max(sizes[-1] - sizes[k], 1.0)
+    return dataclasses.replace(curve, hits=tuple(hits[:k].tolist()) + tuple((hits[k] + rise).tolist()))
+
+
 def disk_reads_per_batch(curve: MissRatioCurve, host_slots: int, device_slots: int = 0) -> float:
     """Rows a batch reads from disk with a host cache of ``host_slots`` rows below a device
     cache of ``device_slots``: the distinct rows a batch looks up, less those a cache of
-    :func:`effective_slots` hits."""
-    slots = effective_slots(host_slots, device_slots)
-    if not curve.num_batches or slots >= curve.num_rows:
+    :func:`effective_slots` hits (in steady state: none at the whole table)."""
+    slots = min(float(curve.num_rows), effective_slots(host_slots, device_slots))
+    if not curve.num_batches:
         return 0.0
-    return max(0.0, (curve.accesses - curve.hit_rows(slots)) / curve.num_batches)
+    return max(0.0, (curve.accesses - _steady(curve).hit_rows(slots)) / curve.num_batches)
 
 
 def _behind(curve: MissRatioCurve, device_slots: int) -> MissRatioCurve:
-    """The curve as a host cache below ``device_slots`` sees it: a host cache of ``x`` rows
-    hits what one of :func:`effective_slots` ``(x, device_slots)`` rows does."""
+    """The curve as a host cache below ``device_slots`` sees it, in steady state: a host
+    cache of ``x`` rows hits what one of :func:`effective_slots` ``(x, device_slots)`` rows does."""
+    curve = _steady(curve)
     if device_slots <= 0:
         return curve
     hits = tuple(curve.hit_rows(min(float(curve.num_rows), effective_slots(x, device_slots))) for x in curve.sizes)
@@ -109,8 +131,8 @@ def plan_host_caches(curves: Mapping[str, MissRatioCurve], record_bytes: Mapping
     ``pinned_rows`` is each host cache's floor) under ``budget_bytes`` of DRAM in all.
 
     ``record_bytes[t]``: bytes a host cache slot of table ``t`` takes (its row and optimizer
-    state, as the file stores them: ``TieredTable.disk.record``); ``device_slots[t]``: its
-    device cache, where known (a table whose device cache holds most of what it reads
+    state, as the file stores them: ``store.disk_record_bytes(dim, optimizer)``);
+    ``device_slots[t]``: its device cache, where known (a table whose device cache holds most of what it reads
     gains less from host rows: see :func:`effective_slots`). Raises
     :class:`HostBudgetError` (one line naming the budget, the minimum and each table's
     floor) when the budget cannot hold the floors."""
@@ -118,6 +140,9 @@ def plan_host_caches(curves: Mapping[str, MissRatioCurve], record_bytes: Mapping
     missing = [t for t in names if t not in record_bytes]
     if missing:
         raise ValueError(f"plan_host_caches: no record_bytes for table(s) {', '.join(missing)}")
+    bad = [f"{t}={record_bytes[t]!r}" for t in names if not int(record_bytes[t]) >= 1]
+    if bad:
+        raise ValueError(f"plan_host_caches: record_bytes must be >= 1 (a row's bytes on disk), got {', '.join(bad)}")
     if budget_bytes < 1:
         raise ValueError(f"host cache budget must be >= 1 byte, got {budget_bytes!r}")
     floors = {t: host_floor(curves[t]) for t in names}
@@ -127,7 +152,7 @@ def plan_host_caches(curves: Mapping[str, MissRatioCurve], record_bytes: Mapping
         raise HostBudgetError(
             f"host cache budget {budget_bytes} bytes is below the {minimum} bytes the tables' pinned rows need "
             f"({shown}: the rows their staged and in-flight batches pin, and a batch's write-backs); give at least "
-            f"{minimum} bytes or lower the disk depth", minimum)
+            f"{minimum} bytes or lower the disk depth", minimum, floors)
     # In load factors of the host cache (slots / rows), from each floor up to every row.
     device = {t: int((device_slots or {}).get(t, 0)) for t in names}
     order = [_behind(curves[t], device[t]) for t in names]
@@ -139,4 +164,4 @@ def plan_host_caches(curves: Mapping[str, MissRatioCurve], record_bytes: Mapping
     return HostCachePlan(host_cache_bytes={t: slots[t] * int(record_bytes[t]) for t in names}, slots=slots,
                          disk_reads_per_batch={t: disk_reads_per_batch(curves[t], slots[t], device[t])
                                                for t in names},
-                         budget_bytes=int(budget_bytes))
+                         budget_bytes=int(budget_bytes), device_slots={t: d for t, d in device.items() if d})

@@ -27,7 +27,7 @@ every registered estimator config that lacks them; no existing entry or plan cha
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.constants import DDR_MEM_BW
@@ -59,15 +59,18 @@ class DiskTierStorageEstimator(ShardEstimator):
     For ``key_value`` TorchRec counts the shard's rows on SSD and, on CPU, nothing in DRAM
     (its caches are GPU ones), so a planner would put any number of such tables on one
     rank's DRAM. Each shard here also holds its device cache (the plan's load factor x its
-    rows; on CPU the "device" is DRAM) and a host cache of at most ``l2_cache_size`` GB
-    (``disk_tier.DEFAULT_HOST_CACHE_BYTES`` when unset) and at most its rows - counted per
-    shard, so tables that share a group's host cache are counted high, never low. The SSD
+    rows; on CPU the "device" is DRAM) and a host cache of ``host_cache_bytes[table]`` where
+    given (the sharder's, e.g. ``cacheplan.plan_host_caches``'s), else at most
+    ``l2_cache_size`` GB (``disk_tier.DEFAULT_HOST_CACHE_BYTES`` when unset), and at most its
+    rows - counted per shard, so tables that share a group's host cache are counted high,
+    never low. The SSD
     figure is TorchRec's (the whole shard). Other kernels and devices: TorchRec's unchanged.
     """
 
     def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
-                 default_load_factor: float = 0.2) -> None:
+                 default_load_factor: float = 0.2, host_cache_bytes: Optional[Mapping[str, int]] = None) -> None:
         self._topology = topology
+        self._host_cache_bytes = dict(host_cache_bytes or {})
         self._stock = EmbeddingStorageEstimator(topology, constraints)
         self._default_load_factor = default_load_factor
 
@@ -84,6 +87,7 @@ class DiskTierStorageEstimator(ShardEstimator):
             kv = option.key_value_params
             host_cap = int(kv.l2_cache_size * (1 << 30)) if kv is not None and kv.l2_cache_size else \
                 DEFAULT_HOST_CACHE_BYTES
+            host_cap = int(self._host_cache_bytes.get(option.name, host_cap))
             element = option.tensor.element_size()
             for shard in option.shards:
                 rows, cols = int(shard.size[0]), int(shard.size[1])

@@ -183,7 +183,22 @@ class _ProactiveSharding:
             elif ps.compute_kernel not in {k.value for k in EmbeddingComputeKernel}:
                 raise ValueError(f"table '{name}': unknown compute kernel {ps.compute_kernel!r}")
             out[name] = ps
+        self._check_host_cache_bytes(module, disk)
         return out
+
+    def _check_host_cache_bytes(self, module: Any, disk: Optional[Dict[str, DiskTierSpec]]) -> None:
+        """Warns (once per collection) when ``host_cache_bytes`` is given but names none of a
+        disk table's entries - a typo, or a table left out, would otherwise size its group's
+        host cache from ``l2_cache_size`` (1 GiB unset), silently."""
+        if not self.host_cache_bytes or not disk:
+            return
+        without = sorted(t for t in disk if t not in self.host_cache_bytes)
+        if without:
+            unused = sorted(set(self.host_cache_bytes) - set(self._table_names(module)))
+            warnings.warn(
+                f"host_cache_bytes has no entry for the key_value table(s) {without}"
+                + (f" (it names {unused}, which this {type(module).__name__} does not have)" if unused else "")
+                + ": their groups' host caches come from l2_cache_size (1 GiB unset) instead", stacklevel=3)
 
 
 class ProactiveEmbeddingBagCollectionSharder(_ProactiveSharding, EmbeddingBagCollectionSharder):
