@@ -104,6 +104,9 @@ def check_against_stock(rank: int, world_size: int, sharding: str, optim: str, d
             "stage_rows_read": sum(s["stage_rows_read"] for s in disk),
             "plan_rows_hit": sum(s["plan_rows_hit"] for s in disk),
             "staged_batches": stats["staged_batches"],
+            # what a user reads (table_stats) is the disk tier's own count
+            "table_stats_rows_read": sum(t.get("disk_rows_read", 0) for t in sparse.table_stats().values()),
+            "host_cache_rows": sorted(t["host_cache_rows"] for t in sparse.table_stats().values()),
             "files_while_alive": len(_files(where)),
         }
         sparse.close()

@@ -43,6 +43,7 @@ def test_key_value_tables_train_as_stock(tmp_path_factory, sharding, optim):
             assert r["param_diff"] <= TOL and r["out_diff"] <= TOL, (rank, run, r)
             # the tables lived on disk: rows came from and went to the files, which are gone at close
             assert r["rows_read"] > 0 and r["rows_written"] > 0, (rank, run, r)
+            assert r["table_stats_rows_read"] == r["rows_read"] and r["host_cache_rows"], (rank, run, r)
             assert r["files_while_alive"] >= 1 and r["files_after_close"] == 0, (rank, run, r)
         # disk_depth 4 > prefetch_depth 1: batches were staged, their rows read before their plan
         staged, plain = res["depth1_disk4"], res["depth2_disk2"]

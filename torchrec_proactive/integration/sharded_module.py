@@ -635,12 +635,21 @@ class ProactiveShardedModule:
         the fused params makes one store per table). Keys as in :meth:`ProactiveStats.snapshot`
         where they mean the same: ``rows_requested``, ``hits``, ``hit_rate``, ``rows_fetched``,
         ``rows_written_back``, ``bytes_moved``, ``overflow_rows``; and ``updates`` (fused
-        updates applied), ``late_updates``, ``external_writes``."""
+        updates applied), ``late_updates``, ``external_writes``. Stores on disk (``key_value``)
+        add their disk tier's: ``disk_rows_read`` / ``disk_rows_written`` (rows that came from
+        or went to the file), ``disk_read_requests``, ``disk_pages_read`` (read-modify-writes
+        included) and ``host_cache_rows`` (the host cache's size)."""
         self._account_known(block=True)  # (on CUDA: the stores count a plan once its sizes are known)
         out: Dict[str, Dict[str, float]] = {}
         for kernel in self._proactive_kernels:
             counts = {("rows_requested" if k == "lookups_rows" else k): v
                       for k, v in kernel.store.stats.as_dict().items() if k != "hit_rate"}
+            disk = kernel.store.disk
+            if disk is not None:
+                d = disk.stats()
+                counts.update(disk_rows_read=d["rows_read"], disk_rows_written=d["rows_written"],
+                              disk_read_requests=d["read_requests"], disk_pages_read=d["pages_read"],
+                              host_cache_rows=disk.num_slots)
             mine = out.setdefault(kernel.store.name, dict.fromkeys(counts, 0))
             for key, value in counts.items():
                 mine[key] = mine.get(key, 0) + value
@@ -664,6 +673,8 @@ class ProactiveShardedModule:
             stats = kernel.store.stats
             for f in dataclasses.fields(stats):
                 setattr(stats, f.name, f.default)
+            if kernel.store.disk is not None:
+                kernel.store.disk.reset_stats()
 
     def _account_known(self, block: bool = False) -> None:
         """Counts looked-up batches, in order, whose plans' sizes the host knows (``block``:
