@@ -138,6 +138,10 @@ def test_host_rows_go_where_the_device_cache_leaves_reads():
     plan = plan_host_caches({"whole": curve, "cached": curve}, {"whole": 40, "cached": 40}, 4 * floor * 40,
                             device_slots={"whole": rows, "cached": DEVICE_SLOTS})
     assert plan.slots["whole"] == floor < plan.slots["cached"], plan.describe()
+    assert f"over {rows} device rows" in plan.describe()
+    for wrong in ({"whole": rows, "typo": 3}, {"whole": -1}):
+        with pytest.raises(ValueError, match="device_slots"):
+            plan_host_caches({"whole": curve}, {"whole": 40}, 4 * floor * 40, device_slots=wrong)
     assert plan.disk_reads_per_batch["whole"] == 0.0 < plan.disk_reads_per_batch["cached"]
 
 

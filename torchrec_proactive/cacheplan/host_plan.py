@@ -143,6 +143,11 @@ def plan_host_caches(curves: Mapping[str, MissRatioCurve], record_bytes: Mapping
     bad = [f"{t}={record_bytes[t]!r}" for t in names if not int(record_bytes[t]) >= 1]
     if bad:
         raise ValueError(f"plan_host_caches: record_bytes must be >= 1 (a row's bytes on disk), got {', '.join(bad)}")
+    stray = sorted(set(device_slots or {}) - set(names))
+    negative = [f"{t}={d!r}" for t, d in (device_slots or {}).items() if not int(d) >= 0]
+    if stray or negative:
+        raise ValueError(f"plan_host_caches: device_slots names tables without a curve {stray} or counts below 0 "
+                         f"{negative}; give each table's device cache rows, >= 0")
     if budget_bytes < 1:
         raise ValueError(f"host cache budget must be >= 1 byte, got {budget_bytes!r}")
     floors = {t: host_floor(curves[t]) for t in names}

@@ -637,8 +637,9 @@ class ProactiveShardedModule:
         ``rows_written_back``, ``bytes_moved``, ``overflow_rows``; and ``updates`` (fused
         updates applied), ``late_updates``, ``external_writes``. Stores on disk (``key_value``)
         add their disk tier's: ``disk_rows_read`` / ``disk_rows_written`` (rows that came from
-        or went to the file), ``disk_read_requests``, ``disk_pages_read`` (read-modify-writes
-        included) and ``host_cache_rows`` (the host cache's size)."""
+        or went to the file, since the store was made or :meth:`reset_proactive_stats`: the
+        initial rows written to the file count), ``disk_read_requests``, ``disk_pages_read``
+        (read-modify-writes included) and ``host_cache_rows`` (the host cache's size)."""
         self._account_known(block=True)  # (on CUDA: the stores count a plan once its sizes are known)
         out: Dict[str, Dict[str, float]] = {}
         for kernel in self._proactive_kernels:

@@ -136,7 +136,9 @@ def _disk_components(dim: int, optimizer: OptimizerConfig, dtype: torch.dtype) -
 
 def disk_record_bytes(dim: int, optimizer: OptimizerConfig, dtype: torch.dtype = torch.float32) -> int:
     """Bytes one row of a table on disk takes in its file and in its host cache (its weights
-    and optimizer state, aligned): what a host cache budget buys rows with."""
+    and optimizer state, aligned): what a host cache budget buys rows with. ``optimizer``:
+    this store's :class:`OptimizerConfig` - from TorchRec's fused params,
+    ``OptimizerConfig.from_fused_params(fused_params)``."""
     return record_layout(_disk_components(dim, optimizer, dtype))[1]
 
 
