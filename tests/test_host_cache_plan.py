@@ -37,9 +37,9 @@ def _curve(batches, rows: int, depth: int) -> MissRatioCurve:
     return MissRatioCurve.from_steps([b[0].numpy() for b in batches], rows, depth=depth)
 
 
-def _disk_reads(tmp_path, name, rows, batches, host_slots: int, record: int) -> int:
+def _disk_reads(tmp_path, name, rows, batches, host_slots: int, record: int, device_slots: int = DEVICE_SLOTS) -> int:
     """Rows the real store reads from its file over the batches (depth 1, one table)."""
-    table = TieredTable.on_disk(name, rows, DIM, CONFIG, num_slots=DEVICE_SLOTS, directory=tmp_path,
+    table = TieredTable.on_disk(name, rows, DIM, CONFIG, num_slots=device_slots, directory=tmp_path,
                                 host_cache_bytes=host_slots * record)
     try:
         engine = FetchEngine()
@@ -108,16 +108,7 @@ def test_the_two_levels_read_what_one_cache_of_their_effective_size_misses(tmp_p
     batches = _batches(rows, p, 7)
     curve = _curve(batches, rows, depth=1)
     for device, host in ((400, 200), (300, 300), (200, 600), (700, 400)):
-        table = TieredTable.on_disk("h", rows, DIM, CONFIG, num_slots=device, directory=tmp_path,
-                                    host_cache_bytes=host * record)
-        try:
-            engine = FetchEngine()
-            anchor = torch.empty(0, requires_grad=True)
-            run_lookahead(table, engine, batches, 1, lambda i, tb, b: pooled_lookup(tb, anchor).backward(b[3]))
-            engine.flush([table])
-            counted = int(table.disk.stats()["row_misses"])
-        finally:
-            table.close()
+        counted = _disk_reads(tmp_path, "h", rows, batches, host, record, device_slots=device)
 
         def reads(slots: float) -> float:
             return disk_reads_per_batch(curve, int(round(slots))) * curve.num_batches
