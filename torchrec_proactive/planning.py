@@ -181,10 +181,11 @@ def build_plan(
 
             host = {t: b for s in as_sharders(sharder)
                     for t, b in (getattr(s, "host_cache_bytes", None) or {}).items()}  # (the sharders' own)
+            perf = EmbeddingPerfEstimatorFactory.create(DEFAULT_PERF_ESTIMATOR, topology=topology,
+                                                        constraints=constraints)
             enumerator = EmbeddingEnumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints,
-                                             estimator=[EmbeddingPerfEstimatorFactory.create(
-                                                 DEFAULT_PERF_ESTIMATOR, topology=topology, constraints=constraints),
-                                                 DiskTierStorageEstimator(topology, constraints, host_cache_bytes=host)])
+                                             estimator=[perf, DiskTierStorageEstimator(topology, constraints,
+                                                                                        host_cache_bytes=host)])
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, enumerator=enumerator,
                                            storage_reservation=FixedPercentageStorageReservation(0.15))
         with planner_warnings() as heard:

@@ -29,6 +29,7 @@ from ..cacheplan.planner import WHOLE_ROW_SHARDINGS, CacheBudgetError, CachePlan
 from ..cacheplan.profile import PROFILE_FILE, fingerprint, load_profile, profile_batches, save_profile
 from ..config.schema import Config
 from ..data.criteo import PreprocessedCriteo, make_dataloaders
+from ..integration.disk_tier import KEY_VALUE
 from . import data as data_lib
 from .errors import ConfigError, PeerFailure, UserError
 
@@ -177,7 +178,7 @@ def plan_run_host_caches(cfg: Config, pre: PreprocessedCriteo, tables: Sequence[
     on_rank: Dict[int, List[str]] = {}
     for module_plan in sharding_plan.plan.values():
         for name, ps in module_plan.items():  # type: ignore[union-attr]
-            if name in dims and ps.compute_kernel == "key_value":
+            if name in dims and ps.compute_kernel == KEY_VALUE:
                 on_rank.setdefault(int(ps.ranks[0]), []).append(name)  # (table-wise: one rank)
     budget = int(cfg.tier.host_budget_mb * 2**20)
 

@@ -875,8 +875,8 @@ class _Bench:
         report = _report(s, g, self.configs + [dram_cfg], self.runs, self.checks, every_row, self.separate, probe,
                          self.notes)
         report.update(table_bytes=table_bytes, host_cache_bytes=host_bytes, o_direct=o_direct,
-                      o_direct_fallback=fallback, io_backend=io_backend, wall_s=time.perf_counter() - t_start, phases_s=self.phases,
-                      rounds_asked=s.rounds, dram_depth=dram_cfg.depth, timed_from_outside=self.watch.timed)
+                      o_direct_fallback=fallback, io_backend=io_backend, wall_s=time.perf_counter() - t_start,
+                      phases_s=self.phases, rounds_asked=s.rounds, dram_depth=dram_cfg.depth, timed_from_outside=self.watch.timed)
         if self.trace:
             report["_events"] = _picked_events(self.events, report)
         return report

@@ -28,6 +28,7 @@ from .tiered_table import (FetchPlan, Segment, TableStats, TieredTable, disk_rec
 __all__ = [
     "CacheCapacityError", "DevicePlanner", "HostPlanner", "RowMapping", "EvictionPolicy", "FetchPlan", "IdOutOfRangeError", "InvalidInputError",
     "NotPrefetchedError", "OptimType", "OptimizerConfig", "ProactiveError", "Segment", "StoreStateError",
-    "TableBatch", "TableStats", "TieredTable", "apply_row_update", "disk_record_bytes", "load_factor_advice", "load_factor_text",
+    "TableBatch", "TableStats", "TieredTable", "apply_row_update", "disk_record_bytes", "load_factor_advice",
+    "load_factor_text",
     "plan_device_batch", "plan_table_batch", "plan_unique_rows", "pooled_lookup", "pooled_lookup_group", "unique_rows",
 ]

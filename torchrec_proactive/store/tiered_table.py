@@ -126,7 +126,6 @@ class Segment:
         return f"table '{self.name}': id {local} is out of range [0, {self.num_rows})"
 
 
-
 def _disk_components(dim: int, optimizer: OptimizerConfig, dtype: torch.dtype) -> List[Component]:
     """A file record's parts: the row's weights, then each optimizer state (fp32)."""
     return [Component("weight", dtype, dim)] + [
