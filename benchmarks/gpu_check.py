@@ -41,6 +41,12 @@ staging) the way the TorchRec kernel does, and reports what a GPU user cares abo
 10. ``host_tier_bytes_ratio``: host bytes of the TorchRec path (``from_stock``) over table
    + optimizer state (null without TorchRec); ``plan_graph_cache_bytes``: device memory
    of the plan graphs' cache; ``move_grid_blocks_max``: the largest grid of a row move.
+11. ``disk_bit_identical``: a table on disk (``TieredTable.on_disk``: device cache <- host
+   cache <- an ``O_DIRECT`` file, planned on the host, moved by the copy stream's worker
+   through pinned staging) trains bit-identically to the same table in host memory, at depths
+   0, 1 and 2 (the last with its disk reads staged 4 batches ahead), with a device cache below
+   one batch's rows (overflow) and a host cache far below the table; its disk counters and
+   stall per step are reported beside.
 
 Under 5 minutes on one H100/H200. ``--device cpu`` runs the same code paths on CPU (no
 host-to-device link: its bandwidth and host-lead figures are null; its planning sizes stop
@@ -593,6 +599,69 @@ def host_tier(device: torch.device, quick: bool) -> Dict[str, Any]:
     return {k: v for k, v in r.items() if k != "how"} | {"how": r["how"]}
 
 
+def disk_tier(device: torch.device, quick: bool) -> Dict[str, Any]:
+    """``disk_bit_identical``: the same batches through a table on disk and through the same
+    table in host memory (both planned on the host: a disk table's rows are read there), at
+    depths 0, 1 and 2 (disk depth 4); every row's weight and state compared bitwise."""
+    import tempfile
+
+    from torchrec_proactive.store import disk_record_bytes
+
+    rows, dim, bags, per_bag = (100_000, 64, 1024, 4) if not quick else (20_000, 32, 256, 4)
+    steps = 12 if not quick else 8
+    config = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05)
+    init = torch.randn(rows, dim, generator=torch.Generator().manual_seed(7))
+    batches = make_batches(steps, rows, bags, per_bag, dim, device, seed=8)
+    slots = bags * per_bag // 2  # below one batch's rows: some overflow to the host tier
+    host_rows = rows // 8
+
+    def run(table: TieredTable, depth: int, disk_depth: Any = None) -> Dict[str, Any]:
+        engine = FetchEngine(make_transport(device))
+        anchor = torch.empty(0, device=device, requires_grad=True)
+        t0 = time.perf_counter()
+        run_lookahead(table, engine, batches, depth,
+                      lambda i, tb, batch: pooled_lookup(tb, anchor).backward(batch[3]), disk_depth=disk_depth)
+        engine.flush([table])
+        engine.drain()
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        stall = getattr(engine.transport, "gpu_stall_s", engine.stats.stall_s)
+        engine.close()
+        # (the training's own disk traffic; the initial writes included, the read below not)
+        disk = None if table.disk is None else {k: table.disk.stats()[k] for k in ("row_misses", "rows_written")}
+        if table.disk is None:
+            values = [table.host_weight.clone(), *[v.clone() for v in table.host_state.values()]]
+        else:
+            table.flush_to_disk()
+            values = table.disk.read_rows(torch.arange(rows))
+        flat = [v.reshape(rows, -1) for v in values]
+        return {"values": flat, "ms_per_step": 1e3 * elapsed / steps, "stall_ms_per_step": 1e3 * stall / steps,
+                "overflow_rows": table.stats.overflow_rows,
+                "disk": disk}
+
+    want = run(TieredTable("t", host_tensor(init.clone(), device), config, num_slots=slots, device=device), depth=1)
+    report: Dict[str, Any] = {"rows": rows, "device_slots": slots, "host_cache_rows": host_rows, "by_depth": {}}
+    same = True
+    with tempfile.TemporaryDirectory(prefix="gpu-check-disk-") as directory:
+        for depth, disk_depth in ((0, None), (1, None), (2, 4)):
+            table = TieredTable.on_disk("t", rows, dim, config, num_slots=slots, directory=directory,
+                                        host_cache_bytes=host_rows * disk_record_bytes(dim, config),
+                                        initial_weight=init, device=device)
+            try:
+                got = run(table, depth, disk_depth)
+                report["o_direct"] = bool(table.disk.file.o_direct)
+            finally:
+                table.close()
+            ok = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got["values"], want["values"]))
+            same = same and ok
+            report["by_depth"][f"{depth}/{disk_depth or depth}"] = {
+                "bit_identical": ok, "ms_per_step": got["ms_per_step"], "stall_ms_per_step": got["stall_ms_per_step"],
+                "overflow_rows": got["overflow_rows"], **got["disk"]}
+    report["host_memory_ms_per_step"] = want["ms_per_step"]
+    report["disk_bit_identical"] = same
+    return report
+
+
 def host_lead(device: torch.device, quick: bool) -> Dict[str, Any]:
     """``host_steps_ahead_of_gpu``: a ~200 ms ``torch.cuda._sleep`` is queued on the compute
     stream, then the host runs whole training steps (plan, lookup, backward with the fused
@@ -641,7 +710,8 @@ def main() -> int:
     res: Dict[str, Any] = {"info": info}
     checks = (("exactness", exactness), ("syncs", host_syncs), ("bandwidth", bandwidth),
               ("interference", interference), ("planning", planning), ("plan_costs", plan_costs),
-              ("bounds", per_table_bounds), ("host_tier", host_tier), ("host_lead", host_lead))
+              ("bounds", per_table_bounds), ("host_tier", host_tier), ("host_lead", host_lead),
+              ("disk_tier", disk_tier))
     reset_move_stats()
     for name, check in checks:
         res[name] = check(device, args.quick)
@@ -667,6 +737,7 @@ def main() -> int:
         "host_tier_bytes_ratio": res["host_tier"]["host_tier_bytes_ratio"],
         "plan_graph_cache_bytes": res["planning"]["plan_graph_cache_bytes"],
         "move_grid_blocks_max": MOVE_STATS["grid_blocks_max"],
+        "disk_bit_identical": res["disk_tier"]["disk_bit_identical"],
         "elapsed_s": time.perf_counter() - t_start,
     }
     res.update(summary)
@@ -699,9 +770,11 @@ def main() -> int:
     print(f"| host bytes of the TorchRec path / (table + state) | {'needs TorchRec' if ratio is None else f'{ratio:.2f}'} |")
     print(f"| plan graph cache bytes | {summary['plan_graph_cache_bytes']} |")
     print(f"| largest row-move grid (blocks) | {summary['move_grid_blocks_max']} |")
+    print(f"| table on disk bit-identical to host memory, depths 0/1/2 (disk 4) | {summary['disk_bit_identical']} |")
     print(f"| wall time | {summary['elapsed_s']:.0f} s |")
     ok = (summary["bit_identical_across_depths"] and summary["host_syncs_per_step"] == 0
-          and summary["plan_ops_identical_across_cache_sizes"] and summary["per_table_bounds_ok"])
+          and summary["plan_ops_identical_across_cache_sizes"] and summary["per_table_bounds_ok"]
+          and summary["disk_bit_identical"])
     return 0 if ok else 1
 
 

@@ -33,7 +33,7 @@ def test_a_failed_flush_chunk_leaves_the_later_chunks_dirty(tmp_path):
     want = want_table.read_host_rows(0, ROWS)
 
     table, engine = _trained(tmp_path, "got")
-    put = table._put_host
+    put = table.put_host
     calls = {"n": 0}
 
     def failing_once(rows, parts):
@@ -42,7 +42,7 @@ def test_a_failed_flush_chunk_leaves_the_later_chunks_dirty(tmp_path):
             raise OSError(28, "No space left on device (injected)")
         return put(rows, parts)
 
-    table._put_host = failing_once
+    table.put_host = failing_once
     with pytest.raises(FetchFailedError):
         engine.flush([table])
     assert table.has_dirty()  # the chunk that failed, and every chunk after it, still to write

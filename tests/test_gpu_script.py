@@ -57,6 +57,12 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert isinstance(res["move_grid_blocks_max"], int) and res["move_grid_blocks_max"] > 0
     assert res["interference"]["fetches_issued_in_timed_region"] == res["interference"]["tickets"] == 6
     assert "host_syncs_per_step" in res["syncs"]
+    # The disk tier through the device's transport: bit-identical to host memory at every
+    # depth, with rows overflowing the device cache and read from the file.
+    disk = res["disk_tier"]
+    assert res["disk_bit_identical"] is True and sorted(disk["by_depth"]) == ["0/0", "1/1", "2/4"]
+    assert all(d["bit_identical"] and d["overflow_rows"] > 0 and d["row_misses"] > disk["host_cache_rows"]
+               for d in disk["by_depth"].values())
 
 
 def test_gpu_check_asked_for_cuda_without_one():

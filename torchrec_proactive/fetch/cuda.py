@@ -218,6 +218,7 @@ class CudaStreamTransport(Transport):
                     # stream waited for them, and this worker thread may block on them.
                     plan.resolve_sizes()
             for plan in ticket.plans:
+                plan.table.begin_moves(plan)  # (on disk: its rows have arrived in the host cache)
                 self._write_back(plan)
                 plan.stage = "written_back"
             for plan in ticket.plans:
@@ -226,6 +227,9 @@ class CudaStreamTransport(Transport):
                 # "done" means enqueued on the copy stream: a later CUDA error surfaces at
                 # the consumer's event wait, not as a partial move the store could undo.
                 plan.stage = "done"
+                # The host side of its moves is over: fills were gathered into staging and
+                # write-backs scattered after a synchronize.
+                plan.table.end_moves(plan)
             ticket.device_event = stream.record_event()
 
     @staticmethod
@@ -271,11 +275,12 @@ class CudaStreamTransport(Transport):
         self._harvest_stalls()
         return self.gpu_stall_ms / 1e3
 
-    def _tensors(self, plan: Any) -> List[tuple]:
+    @staticmethod
+    def _caches(plan: Any) -> List[torch.Tensor]:
+        """The cache's tensors (weight, then each optimizer state), as ``[slots, elements]``,
+        in the order the store's ``gather_host`` / ``put_host`` take the host tier's."""
         t = plan.table
-        pairs = [(t.host_weight, t.cache_weight)]
-        pairs += [(t.host_state[k], t.cache_state[k]) for k in t.host_state]
-        return pairs
+        return [c.view(c.shape[0], -1) for c in [t.cache_weight, *t.cache_state.values()]]
 
     def _chunks(self, plan: Any, slots: torch.Tensor, rows: torch.Tensor, n: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """The first ``n`` (slots on the device, rows on the host) of a plan's move list, in
@@ -314,23 +319,32 @@ class CudaStreamTransport(Transport):
         if n == 0:
             return
         for chunk_slots, chunk_rows in self._chunks(plan, plan.writeback_slots, plan.writeback_rows, n):
-            for host, cache in self._tensors(plan):
-                flat = cache.view(cache.shape[0], -1)
-                staged = self.staging.get(chunk_rows.shape[0], flat.shape[1], flat.dtype)
-                staged.copy_(flat.index_select(0, chunk_slots), non_blocking=True)
-                self.copy_stream.synchronize()  # the host scatter below reads `staged`
-                host.view(host.shape[0], -1).index_copy_(0, chunk_rows, staged)
+            staged = []
+            for cache in self._caches(plan):
+                part = self.staging.get(chunk_rows.shape[0], cache.shape[1], cache.dtype)
+                part.copy_(cache.index_select(0, chunk_slots), non_blocking=True)
+                staged.append(part)
+            self.copy_stream.synchronize()  # the host scatter below reads `staged`
+            # Through the store: a table on disk writes its host cache (its slots were
+            # claimed when the plan was made), a table in DRAM its host tensors.
+            plan.table.put_host(chunk_rows, staged)
 
     def _fill(self, plan: Any) -> None:
         n = plan.num_fills
         if n == 0:
             return
-        for chunk_slots, chunk_rows in self._chunks(plan, plan.fill_slots, plan.fill_rows, n):
-            for host, cache in self._tensors(plan):
-                hflat = host.view(host.shape[0], -1)
-                staged = self.staging.get(chunk_rows.shape[0], hflat.shape[1], hflat.dtype)
-                torch.index_select(hflat, 0, chunk_rows, out=staged)
-                cache.view(cache.shape[0], -1).index_copy_(0, chunk_slots, staged.to(self.device, non_blocking=True))
+        # A table on disk preloads (a device cache as large as the table) through its host
+        # cache in chunks, by itself: more rows than its host cache holds at once.
+        first = plan.table.fill_preloaded(plan)
+        if n == first:
+            return
+        slots, rows = plan.fill_slots.narrow(0, first, n - first), plan.fill_rows.narrow(0, first, n - first)
+        for chunk_slots, chunk_rows in self._chunks(plan, slots, rows, n - first):
+            caches = self._caches(plan)
+            staged = [self.staging.get(chunk_rows.shape[0], c.shape[1], c.dtype) for c in caches]
+            plan.table.gather_host(chunk_rows, out=staged)
+            for cache, part in zip(caches, staged):
+                cache.index_copy_(0, chunk_slots, part.to(self.device, non_blocking=True))
             self._copied()
 
     def _stage_overflow(self, plan: Any) -> None:

@@ -239,7 +239,9 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._host_buffer, self._host_views = host_buffer, list(host_weights)
         # On the device (CUDA by default) a batch is planned with fixed-shape tensor ops and
         # the training thread never reads the ids on the host (the store's DevicePlanner).
-        self._on_device = options.plans_on_device(self._device)
+        # A group on disk is planned on the host on any device: the disk hop reads a batch's
+        # rows when it is planned, on the host (a device plan would be read back for it).
+        self._on_device = options.plans_on_device(self._device) and (disk is None or options.planner == "device")
         budgets = [_num_slots(t, options) for t in tables]
         self._disk_place = disk
         if disk is not None:
@@ -250,7 +252,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if disk is not None:
             if self._on_device:
                 raise NotImplementedError(f"tables {config.table_names()}: a group on disk is planned on the host "
-                                          f"(the sharder's planner='host'), got planner={options.planner!r}")
+                                          f"(the sharder's planner='host' or 'auto'), got planner={options.planner!r}")
             extra = {"disk_directory": disk.scratch.path, "host_cache_bytes": disk.host_cache_bytes}
         elif self._on_device and host_buffer_on_device is not None:
             # The GPU addresses the host tier itself (FBGEMM's host-mapped UVM), optimizer

@@ -849,10 +849,13 @@ class DiskHostTier:
                                   f"arrived (a write target not written yet)")
         return torch.from_numpy(slots)
 
-    def gather(self, rows: torch.Tensor) -> List[torch.Tensor]:
-        """The records of ``rows`` (in DRAM: pinned by a waited ticket), per component."""
+    def gather(self, rows: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
+        """The records of ``rows`` (in DRAM: pinned by a waited ticket), per component;
+        into ``out`` (``[len(rows), width]`` per component, e.g. pinned staging) if given."""
         slots = self._where(rows, reading=True)
-        return [v.index_select(0, slots) for v in self.views]
+        if out is None:
+            return [v.index_select(0, slots) for v in self.views]
+        return [torch.index_select(v, 0, slots, out=o) for v, o in zip(self.views, out)]
 
     def scatter(self, rows: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
         """Writes the records of ``rows`` (in DRAM), per component; they become dirty."""

@@ -177,8 +177,9 @@ class TieredTable:
             plan queues the disk moves of its rows when it is made, so they run while the
             batches before it train (the disk hop is as many batches ahead as the plan);
             its fills wait for them, its write-backs need no read. :meth:`stage_rows` reads
-            a batch's rows further ahead still (the disk hop's own depth). Host planner,
-            CPU device.
+            a batch's rows further ahead still (the disk hop's own depth). Host planner;
+            a CPU or CUDA device (on CUDA the copy stream's worker stages the rows in
+            pinned memory, fetch/cuda.py).
 
     Attributes a user reads: ``planner`` (``HostPlanner`` or ``DevicePlanner``: the
     bookkeeping, and the device planner's ``bad_ids`` / ``skipped_updates`` counts),
@@ -225,12 +226,13 @@ class TieredTable:
                 f"are planned on the host only; use the sharder's planner='host', or one store per table "
                 f"(TorchRec's use_one_tbe_per_table fused param)"
             )
-        if disk is not None and (planner != "host" or torch.device(device).type != "cpu"
-                                 or host_weight.device.type != "meta"):
+        if disk is not None and (planner != "host" or host_weight.device.type != "meta"):
+            # The disk hop reads a batch's rows on the host when it is planned, so its plan is
+            # made there too (on CUDA as on the CPU: a device plan would be read back for it).
             raise InvalidInputError(
-                f"table '{name}': a table on disk is planned on the host for a CPU device for now, and its "
-                f"host_weight is a meta tensor giving its shape (got planner={planner!r}, device={device}, "
-                f"host_weight on {host_weight.device}); build it with TieredTable.on_disk"
+                f"table '{name}': a table on disk is planned on the host (planner='host'), and its host_weight "
+                f"is a meta tensor giving its shape (got planner={planner!r}, host_weight on "
+                f"{host_weight.device}); build it with TieredTable.on_disk"
             )
         self.disk = disk
         self.name = name
@@ -625,19 +627,40 @@ class TieredTable:
             self.enqueue_moves(plan)
             return
         _, num_fills, num_wb, _ = plan.resolve_sizes()
-        self._disk_ready(plan)
+        self.begin_moves(plan)
         if num_wb:
             self.write_back(plan.writeback_slots.narrow(0, 0, num_wb), plan.writeback_rows.narrow(0, 0, num_wb))
         plan.stage = "written_back"
-        first = 0
-        if self.disk is not None and plan.num_preloaded:
-            first = plan.num_preloaded
-            self._fill_from_disk(plan.fill_slots.narrow(0, 0, first), plan.fill_rows.narrow(0, 0, first).to("cpu"))
+        first = self.fill_preloaded(plan)
         if num_fills > first:
             self.fill(plan.fill_slots.narrow(0, first, num_fills - first),
                       self.gather_host(plan.fill_rows.narrow(0, first, num_fills - first).to("cpu")))
         plan.stage = "done"
+        self.end_moves(plan)
+
+    # The host-tier side of a plan's moves, for every transport (``transfer`` above, and the
+    # CUDA copy stream's worker, fetch/cuda.py): between ``begin_moves`` and ``end_moves`` it
+    # reads the host tier with ``gather_host`` and writes it with ``put_host``, never the
+    # tensors themselves - a table on disk has none (its rows pass through its host cache).
+    def begin_moves(self, plan: FetchPlan) -> None:
+        """Before a plan's write-backs: its rows are in the host tier (on disk: read into the
+        host cache, and its write-backs' records have their slots there)."""
+        self._disk_ready(plan)
+
+    def end_moves(self, plan: FetchPlan) -> None:
+        """After a plan's fills were gathered: the host cache may evict its rows again (those
+        of its overflow stay pinned until its release: they are read at lookup)."""
         self._disk_release(plan, keep_overflow=True)
+
+    def fill_preloaded(self, plan: FetchPlan) -> int:
+        """Fills the plan's first ``num_preloaded`` fills (a device cache as large as the table,
+        or its hot rows) on disk, read through the host cache a chunk at a time: more rows than
+        it holds at once. Returns how many it filled (0 off disk: they are fills like any)."""
+        if self.disk is None or not plan.num_preloaded:
+            return 0
+        first = plan.num_preloaded
+        self._fill_from_disk(plan.fill_slots.narrow(0, 0, first), plan.fill_rows.narrow(0, 0, first).to("cpu"))
+        return first
 
     def _fill_from_disk(self, slots: torch.Tensor, rows: torch.Tensor, chunk: int = 65536) -> None:
         """Fills ``slots`` with ``rows`` read through the host cache a chunk at a time (a
@@ -668,21 +691,29 @@ class TieredTable:
             move_rows_(_as_rows(cache), plan.fill_slots, _as_rows(host), plan.fill_rows, plan.fill_rows, R)
         plan.stage = "done"
 
-    def gather_host(self, rows: torch.Tensor) -> List[torch.Tensor]:
+    def gather_host(self, rows: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
         """The host tier's weight and state rows ``rows`` (host indices), in that order (on
-        disk: rows in the host cache, pinned by their plan)."""
+        disk: rows in the host cache, pinned by their plan). ``out``: 2-D ``[len(rows),
+        elements per row]`` tensors to gather into (e.g. pinned staging), returned as they are."""
+        if out is not None:
+            if self.disk is not None:
+                return self.disk.gather(rows, out=out)
+            for host, o in zip([self.host_weight, *self.host_state.values()], out):
+                torch.index_select(host.view(host.shape[0], -1), 0, rows, out=o)
+            return list(out)
         if self.disk is not None:
             weight, *state = self.disk.gather(rows)
             return [weight] + [p.reshape(p.shape[0], *v.shape[1:]) for p, v in zip(state, self.host_state.values())]
         return [self.host_weight.index_select(0, rows)] + [v.index_select(0, rows) for v in self.host_state.values()]
 
-    def _put_host(self, rows: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
-        """Writes the host tier's rows ``rows`` (weight, then each state, on the host)."""
+    def put_host(self, rows: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+        """Writes the host tier's rows ``rows`` (weight, then each state, on the host; any
+        shape with ``len(rows)`` rows of the right elements)."""
         if self.disk is not None:
             self.disk.scatter(rows, parts)
             return
         for host, part in zip([self.host_weight, *self.host_state.values()], parts):
-            host.index_copy_(0, rows, part)
+            host.index_copy_(0, rows, part.view(part.shape[0], *host.shape[1:]))
 
     def fill(self, slots: torch.Tensor, parts: List[torch.Tensor]) -> None:
         """Writes rows (weight, then each state, as ``gather_host`` orders them) into ``slots``."""
@@ -693,7 +724,7 @@ class TieredTable:
     def write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Copies the cache's ``slots`` into the host tier's ``rows`` (weight and state)."""
         slots, host_rows = slots.to(self.device), rows.to("cpu")
-        self._put_host(host_rows, [cache.index_select(0, slots).to("cpu")
+        self.put_host(host_rows, [cache.index_select(0, slots).to("cpu")
                                    for cache in [self.cache_weight, *self.cache_state.values()]])
 
     def rollback(self, plan: FetchPlan) -> None:
@@ -797,7 +828,7 @@ class TieredTable:
         local = torch.arange(host_rows.shape[0], device=dev)
         update_rows(self.optimizer, weight, new, local, grads.to(dev), step, self._stochastic_rows(rows, dev))
         new["weight"] = weight
-        self._put_host(host_rows, [(new[key] if ok is None else torch.where(ok, new[key], old[key])).to("cpu")
+        self.put_host(host_rows, [(new[key] if ok is None else torch.where(ok, new[key], old[key])).to("cpu")
                                    for key in ["weight", *self.host_state]])
 
     def _stochastic_rows(self, rows: torch.Tensor, where: torch.device) -> Optional[torch.Tensor]:
