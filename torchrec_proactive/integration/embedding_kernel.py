@@ -19,6 +19,7 @@ does. Every data move, flushes included, goes through the module's one fetch eng
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 import weakref
@@ -36,6 +37,7 @@ from torchrec.distributed.batched_embedding_kernel import (
     EmbeddingFusedOptimizer,
 )
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
+from torchrec.distributed.embedding_kernel import get_state_dict
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -171,7 +173,7 @@ class ProactiveFusedOptimizer(EmbeddingFusedOptimizer):
     def __init__(self, kernel: "ProactiveEmbeddingBag", pg: Optional[Any]) -> None:
         self._kernel = kernel
         super().__init__(
-            kernel.config, kernel, pg,  # type: ignore[arg-type]
+            kernel.handed_config, kernel, pg,  # type: ignore[arg-type]
             embedding_weights_by_table=kernel.split_embedding_weights(),
             all_optimizer_states=kernel.get_optimizer_state(),
         )
@@ -334,6 +336,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
             self._closer = weakref.finalize(self, _close_disk, self.store, disk.scratch)
         self._uvm_owner: Optional[torch.Tensor] = None  # set by from_stock on CUDA
         self.prefetch_depth = 0
+        #: The config whose shard metadata TorchRec's sharded tensors of this group are built
+        #: from (``state_dict``, the fused optimizer's state): the plan's, or for a group on
+        #: disk a copy placed on the CPU, where its handed-out rows are on any device.
+        self.handed_config = _cpu_placed(config) if disk is not None else config
         self._optim = ProactiveFusedOptimizer(self, pg)
 
     # ------------------------------------------------------------------ construction
@@ -486,6 +492,14 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def emb_module(self) -> "ProactiveEmbeddingBag":  # type: ignore[override]
         # BaseBatchedEmbeddingBag reads split weights through `emb_module`.
         return self
+
+    def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",  # type: ignore[override]
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        """TorchRec's state dict (one ``ShardedTensor`` per table), its shards placed as
+        :attr:`handed_config` says."""
+        self.flush()
+        return get_state_dict(self.handed_config.embedding_tables, self.split_embedding_weights(), self._pg,
+                              destination, prefix)
 
     def split_embedding_weights(self) -> List[torch.Tensor]:  # type: ignore[override]
         return list(self._host_views)
@@ -1106,6 +1120,22 @@ def _close_disk(store: TieredTable, scratch: ScratchDirectory) -> None:
         store.close()
     finally:
         scratch.remove()
+
+
+def _cpu_placed(config: GroupedEmbeddingConfig) -> GroupedEmbeddingConfig:
+    """A copy of ``config`` whose shards are placed on the CPU (``rank:r/cpu``), as stock
+    TorchRec hands out ``key_value`` tables' shards: in a CUDA job TorchRec places them on
+    ``cuda:r``, but a table on disk hands out CPU tensors (``disk_views.py``) and torch's
+    ``Shard`` refuses a tensor off its placement. One deep copy of all the tables, so that
+    each table's local metadata stays the very object of its entry in the global metadata
+    (TorchRec keys the optimizer's shards by it); the plan's own metadata is untouched."""
+    tables = copy.deepcopy(config.embedding_tables)
+    for table in tables:
+        shards = [table.local_metadata, *(table.global_metadata.shards_metadata if table.global_metadata else [])]
+        for shard in shards:
+            if shard is not None and shard.placement is not None:
+                shard.placement._device = torch.device("cpu")  # (no setter; TorchRec rewrites it the same way)
+    return replace(config, embedding_tables=tables)
 
 
 def _group_dim(config: GroupedEmbeddingConfig) -> int:

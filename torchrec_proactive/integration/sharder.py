@@ -86,8 +86,8 @@ class _ProactiveSharding:
                    if k != _CACHED]
         if sharding_type in self._supported_sharding:
             kernels.append(_CACHED)
-            # (the disk tier is planned on the host: CPU for now; elsewhere key_value is stock's)
-            if self._disk_tier and compute_device_type == "cpu" and KEY_VALUE not in kernels:
+            # (stock offers key_value on CUDA only; the disk tier serves it on any device)
+            if self._disk_tier and KEY_VALUE not in kernels:
                 kernels.append(KEY_VALUE)
         return kernels
 
@@ -100,10 +100,9 @@ class _ProactiveSharding:
                       device: Optional[torch.device]) -> "tuple[Dict[str, ParameterSharding], ProactiveOptions]":
         """The plan as the sharded module takes it (see ``_mark_cached_tables``), and the
         options with the disk tier's tables; announced once per sharder, on rank 0."""
-        # The disk tier serves CPU ranks for now; on a GPU, key_value tables stay stock
-        # TorchRec's (FBGEMM's SSD TBE), as they would with stock's sharder.
-        on_cpu = device is None or torch.device(device).type == "cpu"
-        disk: Optional[Dict[str, DiskTierSpec]] = {} if self._disk_tier and on_cpu else None
+        # The disk tier serves key_value tables on CPU and CUDA ranks alike (its groups are
+        # planned on the host; on CUDA the copy stream's worker moves their rows).
+        disk: Optional[Dict[str, DiskTierSpec]] = {} if self._disk_tier else None
         marked = self._mark_cached_tables(module, params, disk)
         options = dataclasses.replace(self.options, disk=disk) if disk else self.options
         if id(module) not in self._announced and getattr(env, "rank", 0) == 0:
@@ -217,8 +216,10 @@ class ProactiveEmbeddingBagCollectionSharder(_ProactiveSharding, EmbeddingBagCol
     TorchRec's planner needs to place them). They get a third tier: the device cache (the
     plan's ``CacheParams(load_factor=...)``) over a DRAM host cache of ``l2_cache_size`` GB
     per group (or ``host_cache_bytes`` per table) over a file of the shard's rows under DIR,
-    removed when the model is closed or collected. On CPU ranks for now; on a GPU a
-    ``key_value`` table stays stock TorchRec's (FBGEMM's SSD TBE), as with stock's sharder.
+    removed when the model is closed or collected. On CPU and CUDA ranks (on CUDA, where
+    stock would use FBGEMM's SSD TBE, not in its published wheels): a group on disk is
+    planned on the host, its rows moved by the copy stream's worker through pinned staging,
+    and TorchRec is handed its shards placed on the CPU, as stock hands ``key_value`` shards.
 
     Args:
         fused_params: as for ``EmbeddingBagCollectionSharder``.
