@@ -92,16 +92,19 @@ def _assert_late_backward(results):
             assert res["late_updates"] > 0 and res["in_flight_end"] == 0, (name, res)
 
 
+@pytest.mark.slow  # (the same cases on 1 rank run in the default suite; 2 ranks: -m slow)
 @pytest.mark.multiprocess
 def test_inplace_writes_are_read_by_the_next_lookup_2_ranks(two_ranks):
     _assert_inplace(two_ranks)
 
 
+@pytest.mark.slow  # (the same cases on 1 rank run in the default suite; 2 ranks: -m slow)
 @pytest.mark.multiprocess
 def test_pins_do_not_depend_on_the_gc_2_ranks(two_ranks):
     _assert_pins(two_ranks)
 
 
+@pytest.mark.slow  # (the same cases on 1 rank run in the default suite; 2 ranks: -m slow)
 @pytest.mark.multiprocess
 def test_a_backward_after_the_next_forward_is_exact_2_ranks(two_ranks):
     _assert_late_backward(two_ranks)

@@ -29,6 +29,14 @@ def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
         load_factor = f"cache.load_factor (now {cfg.cache.load_factor:g})" if with_values else "cache.load_factor"
     for library_name in ("CacheParams.load_factor", "cache_load_factor"):
         text = text.replace(library_name, load_factor)
+    # a table on disk: its host cache is the config's (planned from tier.host_budget_mb, or
+    # tier.host_cache_mb per table)
+    tier = getattr(cfg, "tier", None)
+    if tier is not None and getattr(tier, "kind", None) == "ssd":
+        key, value = (("tier.host_budget_mb", tier.host_budget_mb) if tier.host_budget_mb
+                      else ("tier.host_cache_mb", tier.host_cache_mb))
+        text = text.replace("host_cache_bytes (or KeyValueParams.l2_cache_size)",
+                            f"{key} (now {value:g})" if with_values else key)
     return text
 
 

@@ -415,6 +415,13 @@ class Trainer:
         else:
             fix = f"raise cache.load_factor (now {cfg.cache.load_factor:g})" + (
                 "" if cfg.cache.fit_depth else " or set cache.fit_depth=true (now false)")
+        if steady.get("host_deferred_batches", 0) and cfg.tier.kind == "ssd":
+            # (the host caches of the tables on disk were what had no room)
+            key, value = (("tier.host_budget_mb", cfg.tier.host_budget_mb) if cfg.tier.host_budget_mb
+                          else ("tier.host_cache_mb", cfg.tier.host_cache_mb))
+            fix = f"raise {key} (now {value:g}: {steady['host_deferred_batches']} waited for a host cache)"
+            if steady["host_deferred_batches"] < deferred:
+                fix += f", and {'cache.budget_bytes' if cfg.cache.budget_bytes else 'cache.load_factor'}"
         lower = "prefetch.max_depth" if cfg.prefetch.mode == "auto" else "prefetch.depth"
         self.log.warning(
             "warning: prefetching fell back to fetching at lookup: %.0f%% of the rows fetched per step (%.1f of %.1f per rank, "

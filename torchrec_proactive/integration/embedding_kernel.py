@@ -306,6 +306,7 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         self._anchor = torch.empty(0, device=self._device, requires_grad=True)
         self._bound: Optional[PlannedGroup] = None
         self._warned_overflow = False
+        self._warned_host_overflow = False
         self._warned_stale_write = False
         # Written through a live view (or its bytes handed out) since the last lookup.
         self._host_written = False
@@ -799,6 +800,14 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         else:
             batch = plan_unique_rows(self.store, p.rows, p.inverse, p.offsets, self._mode, self.prefetch_depth or None,
                                      overflow=overflow, one_per_bag=p.one_per_bag)
+        if self.store.stats.host_overflow_plans and not self._warned_host_overflow:
+            self._warned_host_overflow = True
+            warnings.warn(
+                f"tables {self.table_names()}: {self.store.host_overflow_reason}; this batch's rows were moved "
+                f"through the host cache a chunk at a time instead (exact, but its disk reads on the critical "
+                f"path; said once per table group): raise host_cache_bytes (or KeyValueParams.l2_cache_size)",
+                stacklevel=2,
+            )
         if batch.plan.num_overflow and not self._warned_overflow:
             self._warned_overflow = True
             plan, store = batch.plan, self.store

@@ -161,6 +161,7 @@ class ProactiveStats:
     # the collective's threads; the CPU time is what planning itself costs.
     plan_cpu_s: float = 0.0
     deferred_batches: int = 0  # prefetches that waited for pins (effective depth dropped)
+    host_deferred_batches: int = 0  # of those, tables on disk: waited for room in the host cache
     overflow_rows: int = 0  # rows served from the host tier because one batch outgrew the cache
     # Sum over looked-up batches of their leads: how many lookups ahead of its own the fetch
     # was issued (0 at lookup, k at depth k; less for a batch that waited for pins). Divided
@@ -184,7 +185,8 @@ class ProactiveStats:
             "hits": self.hits, "hit_rate": self.hit_rate(), "rows_fetched": self.rows_fetched,
             "rows_fetched_at_lookup": self.rows_fetched_at_lookup,
             "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
-            "deferred_batches": self.deferred_batches, "overflow_rows": self.overflow_rows,
+            "deferred_batches": self.deferred_batches, "host_deferred_batches": self.host_deferred_batches,
+            "overflow_rows": self.overflow_rows,
             "prefetch_lead_lookups": self.prefetch_lead_lookups,
             "plan_s": self.plan_s, "plan_cpu_s": self.plan_cpu_s,
             "staged_batches": self.staged_batches, "stages_skipped": self.stages_skipped,
@@ -499,6 +501,7 @@ class ProactiveShardedModule:
                 if not getattr(ctx, "deferred", False):
                     ctx.deferred = True  # type: ignore[attr-defined]
                     self._stats.deferred_batches += 1
+                    self._stats.host_deferred_batches += isinstance(e, HostCacheCapacityError)
                     self._warn_deferral_once(getattr(ctx, "batch_index", None), e)
                 return
             self._forget_waiting(ctx)
@@ -639,14 +642,18 @@ class ProactiveShardedModule:
         add their disk tier's: ``disk_rows_read`` / ``disk_rows_written`` (rows that came from
         or went to the file, since the store was made or :meth:`reset_proactive_stats`: the
         initial rows written to the file count), ``disk_read_requests``, ``disk_pages_read``
-        (read-modify-writes included) and ``host_cache_rows`` (the host cache's size)."""
+        (read-modify-writes included), ``host_cache_rows`` (the host cache's size) and
+        ``host_overflow_plans`` (batches whose rows outgrew the host cache: moved through it a
+        chunk at a time)."""
         self._account_known(block=True)  # (on CUDA: the stores count a plan once its sizes are known)
         out: Dict[str, Dict[str, float]] = {}
         for kernel in self._proactive_kernels:
             counts = {("rows_requested" if k == "lookups_rows" else k): v
                       for k, v in kernel.store.stats.as_dict().items() if k != "hit_rate"}
             disk = kernel.store.disk
-            if disk is not None:
+            if disk is None:
+                counts.pop("host_overflow_plans")
+            else:
                 d = disk.stats()
                 counts.update(disk_rows_read=d["rows_read"], disk_rows_written=d["rows_written"],
                               disk_read_requests=d["read_requests"], disk_pages_read=d["pages_read"],

@@ -293,6 +293,11 @@ class DiskHostTier:
             f.reads_in_flight_max = f._reads_in_flight_sum = 0
 
     # ------------------------------------------------------------------ planning
+    def pinned_rows(self) -> int:
+        """Rows pinned now by tickets not released (batches in flight, stages)."""
+        with self._lock:
+            return int(np.count_nonzero(self.pins))
+
     def _unique_rows(self, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= self.num_rows):

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from .device_planner import DevicePlanner, RowMapping
-from .disk_host_tier import Component, DiskHostTier, record_layout
+from .disk_host_tier import Component, DiskHostTier, HostCacheCapacityError, record_layout
 from .errors import CacheCapacityError, IdOutOfRangeError, InvalidInputError, StoreStateError
 from .eviction import EvictionPolicy
 from .host_memory import mapped_zeros
@@ -81,6 +81,8 @@ class TableStats:
     late_updates: int = 0
     # In-place writes of the host tier by its owner seen by ``external_writes``.
     external_writes: int = 0
+    # On disk: batches whose rows did not fit the host cache, moved through it in chunks.
+    host_overflow_plans: int = 0
 
     def hit_rate(self) -> float:
         return self.hits / self.lookups_rows if self.lookups_rows else 1.0
@@ -309,6 +311,10 @@ class TieredTable:
                 )
         self.stats = TableStats()
         self._in_flight = 0  # plans issued and not yet released
+        # On disk, the one plan in flight whose rows did not fit the host cache: its host
+        # tier is read and written through the cache a chunk at a time (see ``_issue``).
+        self._chunked_plan: Optional[FetchPlan] = None
+        self.host_overflow_reason = ""
         self.planner: HostPlanner | DevicePlanner = PLANNERS[planner](self)
         dtype = self.host_weight.dtype
         rows = self.planner.cache_rows
@@ -502,7 +508,7 @@ class TieredTable:
 
     def _plan(self, rows: torch.Tensor, depth_hint: Optional[int], overflow: bool) -> FetchPlan:
         """``plan`` for rows that are unique and sorted by construction (``unique_rows``)."""
-        return self._issue(self.planner.plan_rows(rows, depth_hint, overflow))
+        return self._issue(self.planner.plan_rows(rows, depth_hint, overflow), overflow)
 
     def plan_ids(self, ids: torch.Tensor, depth_hint: Optional[int] = None, overflow: bool = False,
                  check_ids: bool = True, mapping: Optional[RowMapping] = None) -> FetchPlan:
@@ -510,16 +516,28 @@ class TieredTable:
         ids that ``mapping`` turns into store rows). ``plan.inverse`` maps each id to its
         entry of ``plan.rows``. The device planner reads nothing on the host here (bad ids
         are counted on the device: ``planner.bad_ids``); the host planner refuses them."""
-        return self._issue(self.planner.plan_ids(ids, depth_hint, overflow, check_ids, mapping))
+        return self._issue(self.planner.plan_ids(ids, depth_hint, overflow, check_ids, mapping), overflow)
 
-    def _issue(self, plan: FetchPlan) -> FetchPlan:
+    def _issue(self, plan: FetchPlan, overflow: bool = False) -> FetchPlan:
         """A plan the planner made is in flight until ``release``. On disk, the disk moves
         that bring its rows into the host cache are queued now, ahead of its fills; a host
-        cache too small for them refuses the plan, changing nothing."""
+        cache too small for them refuses the plan, changing nothing - unless the plan may
+        overflow and nothing else is in flight or pinned there: then its rows pass through
+        the host cache a chunk at a time (:meth:`_through_host_cache`), so a host cache of
+        any size serves any batch, exactly, as the device cache's overflow does."""
         self._in_flight += 1
         if self.disk is not None:
             try:
                 plan.disk_ticket = self.disk.prefetch(*self._disk_rows(plan))
+            except HostCacheCapacityError as e:
+                if not (overflow and self._in_flight == 1 and self.disk.pinned_rows() == 0):
+                    self.rollback(plan)
+                    self.release(plan)
+                    raise
+                self._chunked_plan = plan
+                self.stats.host_overflow_plans += 1
+                #: Why the last such plan did not fit (the refusal it would have been), for messages.
+                self.host_overflow_reason = str(e).removesuffix(". Nothing changed")
             except BaseException:
                 self.rollback(plan)
                 self.release(plan)
@@ -574,7 +592,7 @@ class TieredTable:
         - flush, refresh - queues them now, in their turn; it fails only for its own reads:
         the fetch engine's flush marks every dirty row clean up front, so a fault of earlier
         moves must not stop its chunks midway; ``flush_to_disk`` raises it)."""
-        if self.disk is None:
+        if self.disk is None or plan is self._chunked_plan:
             return
         if plan.disk_ticket is None:
             plan.disk_ticket = self.disk.prefetch(*self._disk_rows(plan), kind="bulk")
@@ -695,6 +713,13 @@ class TieredTable:
         """The host tier's weight and state rows ``rows`` (host indices), in that order (on
         disk: rows in the host cache, pinned by their plan). ``out``: 2-D ``[len(rows),
         elements per row]`` tensors to gather into (e.g. pinned staging), returned as they are."""
+        if self._chunked_plan is not None:
+            parts = self._through_host_cache(rows)
+            if out is None:
+                return parts
+            for o, part in zip(out, parts):
+                o.copy_(part.reshape(o.shape))
+            return list(out)
         if out is not None:
             if self.disk is not None:
                 return self.disk.gather(rows, out=out)
@@ -706,9 +731,19 @@ class TieredTable:
             return [weight] + [p.reshape(p.shape[0], *v.shape[1:]) for p, v in zip(state, self.host_state.values())]
         return [self.host_weight.index_select(0, rows)] + [v.index_select(0, rows) for v in self.host_state.values()]
 
+    def _through_host_cache(self, rows: torch.Tensor) -> List[torch.Tensor]:
+        """``gather_host`` for the plan whose rows do not fit the host cache: read through it
+        a chunk at a time (each chunk's reads queued in their turn behind every earlier disk
+        move, so a row written back before is read as written)."""
+        weight, *state = self.disk.read_rows(rows.to(torch.int64))
+        return [weight] + [p.reshape(p.shape[0], *v.shape[1:]) for p, v in zip(state, self.host_state.values())]
+
     def put_host(self, rows: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
         """Writes the host tier's rows ``rows`` (weight, then each state, on the host; any
         shape with ``len(rows)`` rows of the right elements)."""
+        if self._chunked_plan is not None:
+            self.disk.write_rows(rows.to(torch.int64), [p.reshape(p.shape[0], -1) for p in parts])
+            return
         if self.disk is not None:
             self.disk.scatter(rows, parts)
             return
@@ -846,6 +881,8 @@ class TieredTable:
             return
         self.planner.unpin(plan)
         self._disk_release(plan)
+        if plan is self._chunked_plan:
+            self._chunked_plan = None
         plan.released = True
         self._in_flight -= 1
 

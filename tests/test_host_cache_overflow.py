@@ -1,0 +1,110 @@
+"""A host cache smaller than one batch's rows (issue 42: any cache size at either level,
+exact). A batch planned at its own use (``overflow``) with nothing else in flight or pinned
+in the host cache moves its rows through the host cache a chunk at a time - its fills read,
+its write-backs written, its overflow rows read at lookup and written at the update - each
+chunk queued behind every earlier disk move. Bit-identical to the same table in DRAM; a
+plan that may not overflow is still refused in one line."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from torchrec_proactive.fetch import FetchEngine
+from torchrec_proactive.fetch.lookahead import run_lookahead
+from torchrec_proactive.store import (CacheCapacityError, OptimizerConfig, OptimType, TieredTable, disk_record_bytes,
+                                      pooled_lookup)
+
+from .cuda_stream_standin import cpu_streams
+
+ROWS, DIM = 4000, 16
+BATCH_IDS = 72
+
+
+def _batches(steps=10, bags=24, per_bag=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        values = (torch.rand(bags * per_bag, generator=g) ** 2 * ROWS).long()  # skewed
+        out.append((values, torch.arange(0, bags * per_bag + 1, per_bag), None, torch.randn(bags, DIM, generator=g)))
+    return out
+
+
+def _train(table, engine, depth, disk_depth=None):
+    anchor = torch.empty(0, requires_grad=True)
+    run_lookahead(table, engine, _batches(), depth,
+                  lambda i, tb, batch: pooled_lookup(tb, anchor).backward(batch[3]), disk_depth=disk_depth)
+    engine.flush([table])
+    table.check_invariants(expect_drained=True)
+    return table
+
+
+def _rows_of(table):
+    if table.disk is None:
+        return [table.host_weight.clone(), *[v.clone() for v in table.host_state.values()]]
+    table.flush_to_disk()
+    parts = table.disk.read_rows(torch.arange(ROWS))
+    return [parts[0]] + [p.reshape(ROWS, *v.shape[1:]) for p, v in zip(parts[1:], table.host_state.values())]
+
+
+@pytest.mark.parametrize("optim, host_rows, slots, depth, disk_depth, cuda", [
+    (OptimType.EXACT_ROWWISE_ADAGRAD, 10, 20, 2, None, False),   # both caches below a batch: overflow at both
+    (OptimType.ADAM, 40, 200, 1, 3, False),                       # host cache below a batch, stages waiting
+    (OptimType.EXACT_ROWWISE_ADAGRAD, 10, 60, 1, None, True),     # through the CUDA transport's worker path
+])
+def test_a_host_cache_below_a_batch_trains_as_in_dram(tmp_path, monkeypatch, optim, host_rows, slots, depth,
+                                                      disk_depth, cuda):
+    torch.manual_seed(0)
+    init = torch.randn(ROWS, DIM)
+    config = OptimizerConfig(optim, learning_rate=0.05)
+    want = _rows_of(_train(TieredTable("t", init.clone(), config, num_slots=slots), FetchEngine(), depth))
+    with cpu_streams(monkeypatch) if cuda else contextlib.nullcontext():
+        if cuda:
+            from torchrec_proactive.fetch.cuda import CudaStreamTransport
+            engine = FetchEngine(CudaStreamTransport(torch.device("cpu")))
+        else:
+            engine = FetchEngine()
+        table = TieredTable.on_disk("t", ROWS, DIM, config, num_slots=slots, directory=tmp_path,
+                                    host_cache_bytes=host_rows * disk_record_bytes(DIM, config), initial_weight=init)
+        try:
+            assert table.disk.num_slots == host_rows < BATCH_IDS
+            _train(table, engine, depth, disk_depth)
+            got = _rows_of(table)
+            overflowed = table.stats.host_overflow_plans
+            table.disk.check_invariants(expect_drained=True)
+        finally:
+            engine.close()
+            table.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (optim, host_rows, slots, depth)
+    assert overflowed > 0
+
+
+def test_a_plan_that_may_not_overflow_is_refused_by_a_small_host_cache(tmp_path):
+    config = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05)
+    table = TieredTable.on_disk("t", ROWS, DIM, config, num_slots=200, directory=tmp_path,
+                                host_cache_bytes=10 * disk_record_bytes(DIM, config))
+    try:
+        ids = torch.arange(0, 2 * BATCH_IDS, 2)
+        with pytest.raises(CacheCapacityError, match=r"table 't': a batch needs 72 more rows in the host cache of "
+                                                     r"10 rows.*give the host cache at least"):
+            table.plan_ids(ids)
+        assert table.in_flight == 0 and table.stats.host_overflow_plans == 0
+        # Beside a plan in flight, even one that may overflow is refused (its rows could be
+        # read before that plan's write-backs), changing nothing.
+        first = table.plan_ids(torch.arange(5), overflow=True)
+        with pytest.raises(CacheCapacityError):
+            table.plan_ids(ids, overflow=True)
+        assert table.in_flight == 1
+        table.rollback(first)
+        table.release(first)
+        plan = table.plan_ids(ids, overflow=True)  # alone: through the host cache in chunks
+        assert table.stats.host_overflow_plans == 1
+        table.rollback(plan)
+        table.release(plan)
+        assert table.in_flight == 0
+        table.check_invariants(expect_drained=True)
+    finally:
+        table.close()
+
