@@ -14,18 +14,15 @@ from torchrec_proactive.fetch import FetchEngine
 from torchrec_proactive.fetch.lookahead import run_lookahead
 from torchrec_proactive.store import CacheCapacityError, OptimizerConfig, OptimType, TieredTable, pooled_lookup
 
+from .disk_training import every_row, skewed_batches, train
+
 ROWS, DIM, STEPS = 3000, 8, 16
 CONFIG = OptimizerConfig(OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05)
 RECORD = 4 * DIM + 8  # weight + a row-wise state, padded to 8 bytes
 
 
 def _batches(steps=STEPS, bags=24, per_bag=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        values = (torch.rand(bags * per_bag, generator=g) ** 2 * ROWS).long()  # skewed
-        out.append((values, torch.arange(0, bags * per_bag + 1, per_bag), None, torch.randn(bags, DIM, generator=g)))
-    return out
+    return skewed_batches(ROWS, DIM, steps, bags, per_bag, seed)
 
 
 def _init():
@@ -33,20 +30,10 @@ def _init():
 
 
 def _train(table, depth, disk_depth=None, batches=None):
-    engine = FetchEngine()
-    anchor = torch.empty(0, requires_grad=True)
-    report = run_lookahead(table, engine, batches or _batches(), depth,
-                           lambda i, tb, batch: pooled_lookup(tb, anchor).backward(batch[3]), disk_depth=disk_depth)
-    engine.flush([table])
-    table.check_invariants(expect_drained=True)
-    return report
+    return train(table, batches or _batches(), depth, disk_depth)
 
 
-def _rows_of(table):
-    if table.disk is None:
-        return [table.host_weight.clone(), *[v.clone() for v in table.host_state.values()]]
-    table.flush_to_disk()
-    return table.read_host_rows(0, ROWS)
+_rows_of = every_row
 
 
 def _disk_table(tmp_path, host_rows=600, slots=150):

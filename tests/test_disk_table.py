@@ -7,46 +7,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchrec_proactive.fetch import FetchEngine
-from torchrec_proactive.fetch.lookahead import run_lookahead
-from torchrec_proactive.store import InvalidInputError, OptimizerConfig, OptimType, TieredTable, pooled_lookup
+from torchrec_proactive.store import InvalidInputError, OptimizerConfig, OptimType, TieredTable
+
+from .disk_training import every_row, skewed_batches, train
 
 ROWS, DIM = 20000, 32
 
 
 def _batches(steps=16, bags=32, per_bag=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        values = (torch.rand(bags * per_bag, generator=g) ** 2 * ROWS).long()  # skewed
-        out.append((values, torch.arange(0, bags * per_bag + 1, per_bag), None, torch.randn(bags, DIM, generator=g)))
-    return out
+    return skewed_batches(ROWS, DIM, steps, bags, per_bag, seed)
 
 
 def _train(table: TieredTable, depth: int) -> TieredTable:
-    engine = FetchEngine()
-    anchor = torch.empty(0, requires_grad=True)
-    run_lookahead(table, engine, _batches(), depth,
-                  lambda i, tb, batch: pooled_lookup(tb, anchor).backward(batch[3]))
-    engine.flush([table])
-    table.check_invariants(expect_drained=True)
+    train(table, _batches(), depth)
     return table
 
 
-def _rows_of(table: TieredTable) -> list:
-    """Every row's weight and state, read through the host tier."""
-    if table.disk is None:
-        return [table.host_weight.clone(), *[v.clone() for v in table.host_state.values()]]
-    table.flush_to_disk()
-    out = [[] for _ in range(1 + len(table.host_state))]
-    for start in range(0, ROWS, 1024):
-        rows = torch.arange(start, min(start + 1024, ROWS))
-        ticket = table.disk.prefetch(rows.numpy())
-        table.disk.wait(ticket)
-        for acc, part in zip(out, table.gather_host(rows)):
-            acc.append(part.clone())
-        table.disk.release(ticket)
-    return [torch.cat(parts) for parts in out]
+_rows_of = every_row
 
 
 @pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])

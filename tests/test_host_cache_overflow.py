@@ -13,40 +13,17 @@ import pytest
 import torch
 
 from torchrec_proactive.fetch import FetchEngine
-from torchrec_proactive.fetch.lookahead import run_lookahead
-from torchrec_proactive.store import (CacheCapacityError, OptimizerConfig, OptimType, TieredTable, disk_record_bytes,
-                                      pooled_lookup)
+from torchrec_proactive.store import CacheCapacityError, OptimizerConfig, OptimType, TieredTable, disk_record_bytes
 
 from .cuda_stream_standin import cpu_streams
+from .disk_training import every_row, same_rows, skewed_batches, train
 
 ROWS, DIM = 4000, 16
 BATCH_IDS = 72
 
 
-def _batches(steps=10, bags=24, per_bag=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        values = (torch.rand(bags * per_bag, generator=g) ** 2 * ROWS).long()  # skewed
-        out.append((values, torch.arange(0, bags * per_bag + 1, per_bag), None, torch.randn(bags, DIM, generator=g)))
-    return out
-
-
-def _train(table, engine, depth, disk_depth=None):
-    anchor = torch.empty(0, requires_grad=True)
-    run_lookahead(table, engine, _batches(), depth,
-                  lambda i, tb, batch: pooled_lookup(tb, anchor).backward(batch[3]), disk_depth=disk_depth)
-    engine.flush([table])
-    table.check_invariants(expect_drained=True)
-    return table
-
-
-def _rows_of(table):
-    if table.disk is None:
-        return [table.host_weight.clone(), *[v.clone() for v in table.host_state.values()]]
-    table.flush_to_disk()
-    parts = table.disk.read_rows(torch.arange(ROWS))
-    return [parts[0]] + [p.reshape(ROWS, *v.shape[1:]) for p, v in zip(parts[1:], table.host_state.values())]
+def _batches():
+    return skewed_batches(ROWS, DIM, steps=10, bags=24, per_bag=3)
 
 
 @pytest.mark.parametrize("optim, host_rows, slots, depth, disk_depth, cuda", [
@@ -59,7 +36,9 @@ def test_a_host_cache_below_a_batch_trains_as_in_dram(tmp_path, monkeypatch, opt
     torch.manual_seed(0)
     init = torch.randn(ROWS, DIM)
     config = OptimizerConfig(optim, learning_rate=0.05)
-    want = _rows_of(_train(TieredTable("t", init.clone(), config, num_slots=slots), FetchEngine(), depth))
+    want_table = TieredTable("t", init.clone(), config, num_slots=slots)
+    train(want_table, _batches(), depth)
+    want = every_row(want_table)
     with cpu_streams(monkeypatch) if cuda else contextlib.nullcontext():
         if cuda:
             from torchrec_proactive.fetch.cuda import CudaStreamTransport
@@ -70,14 +49,14 @@ def test_a_host_cache_below_a_batch_trains_as_in_dram(tmp_path, monkeypatch, opt
                                     host_cache_bytes=host_rows * disk_record_bytes(DIM, config), initial_weight=init)
         try:
             assert table.disk.num_slots == host_rows < BATCH_IDS
-            _train(table, engine, depth, disk_depth)
-            got = _rows_of(table)
+            train(table, _batches(), depth, disk_depth, engine=engine)
+            got = every_row(table)
             overflowed = table.stats.host_overflow_plans
             table.disk.check_invariants(expect_drained=True)
         finally:
             engine.close()
             table.close()
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), (optim, host_rows, slots, depth)
+    assert same_rows(got, want), (optim, host_rows, slots, depth)
     assert overflowed > 0
 
 
