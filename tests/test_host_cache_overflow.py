@@ -66,10 +66,14 @@ def test_a_plan_that_may_not_overflow_is_refused_by_a_small_host_cache(tmp_path)
                                 host_cache_bytes=10 * disk_record_bytes(DIM, config))
     try:
         ids = torch.arange(0, 2 * BATCH_IDS, 2)
+        before = table.stats.as_dict()
         with pytest.raises(CacheCapacityError, match=r"table 't': a batch needs 72 more rows in the host cache of "
                                                      r"10 rows.*give the host cache at least"):
             table.plan_ids(ids)
         assert table.in_flight == 0 and table.stats.host_overflow_plans == 0
+        # A refused plan counts nothing (a user trial: a batch deferred and planned again was
+        # counted at every try, so table_stats() no longer added up to the pipeline's stats).
+        assert table.stats.as_dict() == before
         # Beside a plan in flight, even one that may overflow is refused (its rows could be
         # read before that plan's write-backs), changing nothing.
         first = table.plan_ids(torch.arange(5), overflow=True)

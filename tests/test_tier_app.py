@@ -80,11 +80,20 @@ def test_a_host_cache_below_one_batch_trains_and_says_to_raise_tier_host_cache_m
               f"data.root={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'o'}")
     assert run.rc == 0, run
     lines = run.err.splitlines()
+    # The size to set is per table shard (the store's figure is its group's, 26 tables here;
+    # a user trial set the group's figure on every table).
     (chunked,) = [ln for ln in lines if "moved through the host cache a chunk at a time" in ln]
-    assert "give the host cache at least" in chunked and chunked.endswith("raise tier.host_cache_mb (now 0.0005)")
+    group_bytes = int(re.search(r"give the host cache at least \d+ rows \((\d+) bytes\)", chunked).group(1))
+    each = f"{group_bytes / 26 / 2**20:.3g}"
+    assert chunked.endswith(f"raise tier.host_cache_mb (now 0.0005) to at least {each} per table shard, "
+                            f"26 tables in this group"), chunked
+    (deferred,) = [ln for ln in lines if "waits for cache room" in ln]
+    assert "Nothing changed" not in deferred and f"to at least {each} per table shard" in deferred, deferred
+    # The fall-back advice names the host cache, and no lower depth: one batch alone outgrew it.
     (fell,) = [ln for ln in lines if "fell back to fetching at lookup" in ln]
-    assert "raise tier.host_cache_mb (now 0.0005: 1 waited for a host cache)" in fell, fell
-    assert "cache.load_factor" not in fell and "Traceback" not in run.err, run
+    assert "raise tier.host_cache_mb (now 0.0005) to at least the size the host cache warning above gives" in fell
+    assert "cache.load_factor" not in fell and "prefetch.depth" not in fell and "Traceback" not in run.err, run
+    assert "batches through a host cache too small for them" in run.err
 
 
 def test_tier_disk_depth_needs_tier_ssd(tmp_path: Path) -> None:

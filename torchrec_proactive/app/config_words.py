@@ -35,9 +35,28 @@ def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
     if tier is not None and getattr(tier, "kind", None) == "ssd":
         key, value = (("tier.host_budget_mb", tier.host_budget_mb) if tier.host_budget_mb
                       else ("tier.host_cache_mb", tier.host_cache_mb))
-        text = text.replace("host_cache_bytes (or KeyValueParams.l2_cache_size)",
-                            f"{key} (now {value:g})" if with_values else key)
+        raise_it = f"raise {key} (now {value:g})" if with_values else f"raise {key}"
+        need = _per_shard_need(text) if key == "tier.host_cache_mb" else ""
+        raise_it += f" to {need}" if need else ""
+        text = re.sub(r"raise host_cache_bytes \(or KeyValueParams\.l2_cache_size\)"
+                      r"( to at least \d+ bytes for each of its \d+ tables \([^)]*\))?", lambda m: raise_it, text)
+        # (the store's refusal, quoted by the deferral warning: the same advice)
+        text = re.sub(r"(give the host cache at least \d+ rows \(\d+ bytes\))\. Nothing changed",
+                      lambda m: f"{m.group(1)}: {raise_it}", text)
     return text
+
+
+def _per_shard_need(text: str) -> str:
+    """What each table's ``tier.host_cache_mb`` must be for the host cache a store message
+    asks for: the store sizes one host cache per group of tables ('t_a+t_b'), the config
+    each table shard's share of it (empty when the message gives no size)."""
+    need = re.search(r"at least \d+ rows \((\d+) bytes\)", text) or re.search(r"\((\d+) bytes\)", text)
+    table = re.search(r"table '([^']+)'", text)
+    if not (need and table):
+        return ""
+    tables = len(table.group(1).split("+"))
+    mib = int(need.group(1)) / tables / 2**20
+    return f"at least {mib:.3g} per table shard" + (f", {tables} tables in this group" if tables > 1 else "")
 
 
 def capacity_error(cfg: Any, e: Exception) -> ConfigError:
@@ -67,13 +86,8 @@ def host_cache_error(cfg: Any, e: Exception) -> ConfigError:
     text = str(e)
     # The store sizes one host cache per group of tables ('t_a+t_b'); the config sizes each
     # table's share: say what each share needs.
-    need = re.search(r"\((\d+) bytes\)", text)
-    table = re.search(r"table '([^']+)'", text)
-    each = ""
-    if need and table:
-        tables = len(table.group(1).split("+"))
-        mib = int(need.group(1)) / tables / 2**20
-        each = f" (at least {mib:.3g} per table shard" + (f", {tables} tables in this group)" if tables > 1 else ")")
+    each = _per_shard_need(text)
+    each = f" ({each})" if each else ""
     if cfg.tier.host_budget_mb:  # (the host caches were planned: the budget is the user's word)
         return ConfigError(f"tier.host_budget_mb={cfg.tier.host_budget_mb:g} planned a host cache too small for "
                            f"{depth}: {text}; raise tier.host_budget_mb or lower the depths")

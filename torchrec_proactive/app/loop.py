@@ -415,22 +415,28 @@ class Trainer:
         else:
             fix = f"raise cache.load_factor (now {cfg.cache.load_factor:g})" + (
                 "" if cfg.cache.fit_depth else " or set cache.fit_depth=true (now false)")
-        if steady.get("host_deferred_batches", 0) and cfg.tier.kind == "ssd":
+        lower = "prefetch.max_depth" if cfg.prefetch.mode == "auto" else "prefetch.depth"
+        lower = f", or lower {lower} (now {cfg.prefetch.max_depth if cfg.prefetch.mode == 'auto' else depth})"
+        host_deferred, host_overflow = steady.get("host_deferred_batches", 0), steady.get("host_overflow_batches", 0)
+        if (host_deferred or host_overflow) and cfg.tier.kind == "ssd":
             # (the host caches of the tables on disk were what had no room)
             key, value = (("tier.host_budget_mb", cfg.tier.host_budget_mb) if cfg.tier.host_budget_mb
                           else ("tier.host_cache_mb", cfg.tier.host_cache_mb))
-            fix = f"raise {key} (now {value:g}: {steady['host_deferred_batches']} waited for a host cache)"
-            if steady["host_deferred_batches"] < deferred:
+            fix = f"raise {key} (now {value:g}: {host_deferred} waited for a host cache)"
+            if host_deferred < deferred:
                 fix += f", and {'cache.budget_bytes' if cfg.cache.budget_bytes else 'cache.load_factor'}"
-        lower = "prefetch.max_depth" if cfg.prefetch.mode == "auto" else "prefetch.depth"
+            if host_overflow:  # one batch alone outgrew a host cache: no lower depth helps it
+                fix = (f"raise {key} (now {value:g}) to at least the size the host cache warning above gives: "
+                       f"{host_overflow} batch(es) alone outgrew a host cache")
+                lower = ""
         self.log.warning(
             "warning: prefetching fell back to fetching at lookup: %.0f%% of the rows fetched per step (%.1f of %.1f per rank, "
             "steps %d-%d) were fetched at their lookup, on the critical path; %d prefetch(es) waited for cache room "
-            "(deferred_batches)%s: the caches hold fewer rows than %d batches in flight pin. To prefetch, %s, or lower "
-            "%s (now %d)", 100.0 * at_lookup / fetched, at_lookup, fetched, steady.get("from_step", 0) + 1,
+            "(deferred_batches)%s: the caches hold fewer rows than %d batches in flight pin. To prefetch, %s%s",
+            100.0 * at_lookup / fetched, at_lookup, fetched, steady.get("from_step", 0) + 1,
             steady.get("from_step", 0) + steady.get("steps", 0), deferred,
             f", {overflow:.1f} rows per step were served from the host tier" if overflow else "",
-            depth + 1, fix, lower, cfg.prefetch.max_depth if cfg.prefetch.mode == "auto" else depth)
+            depth + 1, fix, lower)
 
     def _log_window(self) -> None:
         stats = self.pipeline.stats()

@@ -14,7 +14,7 @@ from torchmetrics.classification import BinaryAUROC
 from tqdm import tqdm
 
 _STAT_KEYS = ("stall_s", "rows_requested", "hits", "rows_fetched", "bytes_moved", "rows_fetched_at_lookup",
-              "deferred_batches", "overflow_rows", "host_deferred_batches")
+              "deferred_batches", "overflow_rows", "host_deferred_batches", "host_overflow_batches")
 
 
 class EvalMetrics:
@@ -62,7 +62,8 @@ class Window:
         delta = [stats.get(k, 0.0) - self.start_stats.get(k, 0.0) for k in _STAT_KEYS]
         t = torch.tensor(delta + [clock - self.start_clock], dtype=torch.float64)
         dist.all_reduce(t)
-        stall, requested, hits, fetched, moved, at_lookup, deferred, overflow, host_deferred, elapsed_sum = t.tolist()
+        (stall, requested, hits, fetched, moved, at_lookup, deferred, overflow, host_deferred, host_overflow,
+         elapsed_sum) = t.tolist()
         steps = max(step - self.start_step, 1)
         wall = elapsed_sum / self.world_size  # mean over ranks
         return {
@@ -76,6 +77,7 @@ class Window:
             "rows_fetched_at_lookup_per_step": at_lookup / self.world_size / steps,
             "deferred_batches": int(deferred),
             "host_deferred_batches": int(host_deferred),  # (of those: a disk table's host cache was full)
+            "host_overflow_batches": int(host_overflow),  # (a batch alone outgrew a host cache)
             "overflow_rows_per_step": overflow / self.world_size / steps,
             "mb_moved_per_step": moved / self.world_size / steps / 1e6,
         }

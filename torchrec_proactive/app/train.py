@@ -142,6 +142,8 @@ def format_steady(w: Dict[str, Any]) -> str:
         text += (f", rows fetched {fetched:.1f}/step/rank, {at_lookup:.1f} of them at lookup{share}, "
                  f"{int(w.get('deferred_batches', 0))} deferred batches, "
                  f"{w.get('overflow_rows_per_step', 0.0):.1f} overflow rows/step")
+        if w.get("host_overflow_batches"):  # (tables on disk)
+            text += f", {int(w['host_overflow_batches'])} batches through a host cache too small for them"
     if w.get("fell_back"):
         text += " - FELL BACK TO REACTIVE: prefetches waited for cache room (see the warning above)"
     return text

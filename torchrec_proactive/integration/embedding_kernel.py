@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -802,10 +803,14 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
                                      overflow=overflow, one_per_bag=p.one_per_bag)
         if self.store.stats.host_overflow_plans and not self._warned_host_overflow:
             self._warned_host_overflow = True
+            reason, names = self.store.host_overflow_reason, self.table_names()
+            need = re.search(r"\((\d+) bytes\)", reason)
+            each = (f" to at least {-(-int(need.group(1)) // len(names))} bytes for each of its {len(names)} tables "
+                    f"(a group's host cache is its tables' shares summed)" if need and len(names) > 1 else "")
             warnings.warn(
-                f"tables {self.table_names()}: {self.store.host_overflow_reason}; this batch's rows were moved "
-                f"through the host cache a chunk at a time instead (exact, but its disk reads on the critical "
-                f"path; said once per table group): raise host_cache_bytes (or KeyValueParams.l2_cache_size)",
+                f"tables {names}: {reason}; this batch's rows were moved through the host cache a chunk at a time "
+                f"instead (exact, but its disk reads on the critical path; said once per table group): raise "
+                f"host_cache_bytes (or KeyValueParams.l2_cache_size){each}",
                 stacklevel=2,
             )
         if batch.plan.num_overflow and not self._warned_overflow:

@@ -540,7 +540,9 @@ class ProactiveTrainPipeline(TrainPipelineSparseDist):
         waited for pins until their lookup), ``rows_written_back``, ``bytes_moved``
         (fetches and write-backs, optimizer state included; host-tier reads of overflow rows
         are not moves), ``deferred_batches`` (prefetches that waited for pins, per module;
-        ``host_deferred_batches`` of them waited for a disk table's host cache),
+        ``host_deferred_batches`` of them waited for a disk table's host cache;
+        ``host_overflow_batches``: batches whose rows alone outgrew a host cache, moved
+        through it a chunk at a time),
         ``overflow_rows`` (rows served from the host tier), ``prefetch_lead_lookups`` (per
         batch, how many of its module's lookups ahead its fetch was issued, summed: divided by
         ``batches`` it is the effective depth, ``k`` when nothing waits), ``plan_s`` / ``plan_cpu_s``

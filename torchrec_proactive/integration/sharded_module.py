@@ -162,6 +162,9 @@ class ProactiveStats:
     plan_cpu_s: float = 0.0
     deferred_batches: int = 0  # prefetches that waited for pins (effective depth dropped)
     host_deferred_batches: int = 0  # of those, tables on disk: waited for room in the host cache
+    # Tables on disk: batches whose rows alone outgrew a host cache (moved through it a chunk
+    # at a time at their lookup: no depth helps them, only a larger host cache).
+    host_overflow_batches: int = 0
     overflow_rows: int = 0  # rows served from the host tier because one batch outgrew the cache
     # Sum over looked-up batches of their leads: how many lookups ahead of its own the fetch
     # was issued (0 at lookup, k at depth k; less for a batch that waited for pins). Divided
@@ -186,6 +189,7 @@ class ProactiveStats:
             "rows_fetched_at_lookup": self.rows_fetched_at_lookup,
             "rows_written_back": self.rows_written_back, "bytes_moved": self.bytes_moved,
             "deferred_batches": self.deferred_batches, "host_deferred_batches": self.host_deferred_batches,
+            "host_overflow_batches": self.host_overflow_batches,
             "overflow_rows": self.overflow_rows,
             "prefetch_lead_lookups": self.prefetch_lead_lookups,
             "plan_s": self.plan_s, "plan_cpu_s": self.plan_cpu_s,
@@ -699,6 +703,7 @@ class ProactiveShardedModule:
     def _account(self, fetch: BatchFetch, stall: float, lookup_started: float) -> None:
         st = self._stats
         requested = hits = written_back = 0
+        through_host_cache = False
         for group in fetch.groups:
             for tb in group.table_batches:
                 plan = tb.plan
@@ -706,6 +711,8 @@ class ProactiveShardedModule:
                 hits += plan.num_hits
                 written_back += plan.num_writebacks
                 st.overflow_rows += plan.num_overflow
+                through_host_cache |= plan.through_host_cache
+        st.host_overflow_batches += through_host_cache
         st.batches += 1
         st.prefetch_lead_lookups += fetch.lead
         st.stall_s += stall

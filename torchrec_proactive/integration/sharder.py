@@ -206,8 +206,9 @@ class ProactiveEmbeddingBagCollectionSharder(_ProactiveSharding, EmbeddingBagCol
     Drop-in for ``EmbeddingBagCollectionSharder``: it takes the same ``fused_params``
     (``optimizer``, ``learning_rate``, ``eps``, ...) and the same plans. Tables whose plan
     says ``fused_uvm_caching`` are served from a host tier + device cache whose size comes
-    from the plan's ``CacheParams(load_factor=...)`` (or ``cache_load_factor`` here); every
-    other table stays stock TorchRec. On CPU, where TorchRec itself has no UVM, the planner
+    from the plan's ``CacheParams(load_factor=...)`` (or ``cache_load_factor`` here), tables
+    planned ``key_value`` from the same store over a file (below); every other table stays
+    stock TorchRec. On CPU, where TorchRec itself has no UVM, the planner
     is offered ``fused_uvm_caching`` by this sharder so cached tables can be planned too.
 
     Tables larger than host memory are planned as TorchRec offloads them to SSD: compute

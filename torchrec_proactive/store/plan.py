@@ -99,6 +99,9 @@ class FetchPlan:
     #: The disk tier's moves that bring the plan's rows into the host cache (a table on
     #: disk only: ``TieredTable(disk=...)``), issued when the plan is made.
     disk_ticket: Any = field(default=None, repr=False)
+    #: On disk: its rows outgrew the host cache and move through it a chunk at a time
+    #: (``TieredTable._issue``).
+    through_host_cache: bool = False
     #: On a GPU, the event after the plan (and its lookup recipe) on the planner's own
     #: stream: whoever reads its outputs on another stream waits for it (plan_stream.py).
     planned_event: Any = field(default=None, repr=False)

@@ -531,18 +531,24 @@ class TieredTable:
                 plan.disk_ticket = self.disk.prefetch(*self._disk_rows(plan))
             except HostCacheCapacityError as e:
                 if not (overflow and self._in_flight == 1 and self.disk.pinned_rows() == 0):
-                    self.rollback(plan)
-                    self.release(plan)
+                    self._refuse(plan)
                     raise
                 self._chunked_plan = plan
+                plan.through_host_cache = True
                 self.stats.host_overflow_plans += 1
                 #: Why the last such plan did not fit (the refusal it would have been), for messages.
                 self.host_overflow_reason = str(e).removesuffix(". Nothing changed")
             except BaseException:
-                self.rollback(plan)
-                self.release(plan)
+                self._refuse(plan)
                 raise
         return plan
+
+    def _refuse(self, plan: FetchPlan) -> None:
+        """Undoes a plan the disk tier refused, its counts included (the host planner counted
+        it when it made it): a batch deferred and planned again counts once."""
+        self.rollback(plan)
+        self.release(plan)
+        self._count(plan, -1)
 
     def _disk_rows(self, plan: FetchPlan) -> Tuple[np.ndarray, np.ndarray]:
         """The rows the plan reads in the host tier (its fills, its overflow rows) and those
@@ -613,13 +619,16 @@ class TieredTable:
         """A plan's sizes reached the host (at once for the host planner, later for the
         device planner's): the statistics count them, once per plan."""
         self.planner.sizes_known(plan)
+        self._count(plan, 1)
+
+    def _count(self, plan: FetchPlan, sign: int) -> None:
         st = self.stats
-        st.lookups_rows += plan.num_rows
-        st.hits += plan.num_hits
-        st.rows_fetched += plan.num_fills
-        st.rows_written_back += plan.num_writebacks
-        st.bytes_moved += plan.bytes_to_move
-        st.overflow_rows += plan.num_overflow
+        st.lookups_rows += sign * plan.num_rows
+        st.hits += sign * plan.num_hits
+        st.rows_fetched += sign * plan.num_fills
+        st.rows_written_back += sign * plan.num_writebacks
+        st.bytes_moved += sign * plan.bytes_to_move
+        st.overflow_rows += sign * plan.num_overflow
 
     @property
     def in_flight(self) -> int:
