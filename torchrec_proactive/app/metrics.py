@@ -9,8 +9,6 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
-from torchmetrics import MeanMetric
-from torchmetrics.classification import BinaryAUROC
 from tqdm import tqdm
 
 _STAT_KEYS = ("stall_s", "rows_requested", "hits", "rows_fetched", "bytes_moved", "rows_fetched_at_lookup",
@@ -21,6 +19,11 @@ class EvalMetrics:
     """AUROC and log loss over every rank's held-out predictions (synced at ``compute``)."""
 
     def __init__(self) -> None:
+        # (imported here: torchmetrics costs a rank ~0.6 s to import, and a run without
+        # evaluation never needs it)
+        from torchmetrics import MeanMetric
+        from torchmetrics.classification import BinaryAUROC
+
         self.auroc = BinaryAUROC()
         self.logloss = MeanMetric()
         self.samples = 0
