@@ -39,6 +39,9 @@ def test_compare_on_ssd_is_bit_identical_and_leaves_no_files(tmp_path: Path) -> 
     assert run.rc == 0, run
     assert "final parameters bit-identical: yes" in run.out, run
     assert "on disk" in run.err, run  # the sharder says which tables are on disk
+    # and the table says so too (a user trial: stdout never mentioned the tier)
+    assert (f"tier: tables on disk (tier=ssd) under {tier}, host cache 0.016 MiB per table shard, disk reads "
+            f"queued 4 batch(es) ahead in the proactive arm") in run.out, run.out
     left = [os.path.join(r, f) for r, _, fs in os.walk(tier) for f in fs]
     assert left == [], left
 

@@ -179,6 +179,12 @@ def run_compare(cfg: Config) -> Dict[str, Any]:
                       link=describe_link(cfg), identical_parameters=bool(same.item()),
                       output_dir=str(Path(cfg.train.output_dir).absolute()), cache_slots=slots,
                       device=trainers[0].env.device.type)
+    if cfg.tier.kind == "ssd":  # (both arms: the same tables on disk, the same host caches)
+        size = (f"host caches planned from tier.host_budget_mb={cfg.tier.host_budget_mb:g} per rank"
+                if cfg.tier.host_budget_mb else f"host cache {cfg.tier.host_cache_mb:g} MiB per table shard")
+        result["tier"] = (f"tables on disk (tier=ssd) under {cfg.tier.dir}, {size}, disk reads queued "
+                          f"{cfg.tier.disk_depth if cfg.tier.disk_depth is not None else 'prefetch.depth'} batch(es) "
+                          f"ahead in the proactive arm")
     if trainers[0].env.is_main:
         path = Path(cfg.train.output_dir) / "compare.json"
         path.write_text(json.dumps(result, indent=2))
@@ -293,6 +299,7 @@ def format_table(result: Dict[str, Any]) -> str:
     of = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
     lines = [
         f"host-to-device link: {result['link']}",
+        *([f"tier: {result['tier']}"] if result.get("tier") else []),
         f"{result['world_size']} rank(s) x batch {result['batch_size']}, {rows[0]['steps']} steps each: steps "
         f"1-{result.get('warmup_steps', 0)} warm-up, then {n_rounds} interleaved round{'s' if n_rounds != 1 else ''} "
         f"of {of} steps (each round runs both back to back, the first alternating); the figures are over the rounds' "

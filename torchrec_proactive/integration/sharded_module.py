@@ -645,7 +645,8 @@ class ProactiveShardedModule:
         updates applied), ``late_updates``, ``external_writes``. Stores on disk (``key_value``)
         add their disk tier's: ``disk_rows_read`` / ``disk_rows_written`` (rows that came from
         or went to the file, since the store was made or :meth:`reset_proactive_stats`: the
-        initial rows written to the file count), ``disk_read_requests``, ``disk_pages_read``
+        initial rows count once they reach the file - rows still dirty in the host cache
+        count when they are evicted or flushed), ``disk_read_requests``, ``disk_pages_read``
         (read-modify-writes included), ``host_cache_rows`` (the host cache's size) and
         ``host_overflow_plans`` (batches whose rows outgrew the host cache: moved through it a
         chunk at a time)."""

@@ -18,7 +18,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from ..fetch import LinkModel
 from .options import ProactiveOptions
-from .disk_tier import KEY_VALUE, DiskTierSpec, spec_from_plan
+from .disk_tier import KEY_VALUE, DiskTierSpec, resolve_directory, spec_from_plan
 from .planner_support import register_cpu_cached_kernel
 from .sharded_ebc import ProactiveShardedEmbeddingBagCollection
 from .sharded_ec import ProactiveShardedEmbeddingCollection
@@ -124,7 +124,10 @@ class _ProactiveSharding:
             shown = ", ".join(f"{name} {slots}/{rows}" for name, (slots, rows) in sizes.items())
             rest = len(params) - proactive
             disk = sorted((options.disk if options else {}) or {})
-            on_disk = (f"; on disk ({KEY_VALUE}: a file under {options.disk[disk[0]].directory} behind a DRAM host "
+            where = options.disk[disk[0]].directory if disk and options else ""
+            if "@local_rank" in where:  # (TorchRec's placeholder: each rank's local rank)
+                where += f" (@local_rank: each rank's local rank, e.g. {resolve_directory(where, 0)})"
+            on_disk = (f"; on disk ({KEY_VALUE}: a file under {where} behind a DRAM host "
                        f"cache): {', '.join(disk)}" if disk and options else "")
             planned = f"{_CACHED} or {KEY_VALUE}" if disk else _CACHED
             _LOG.warning("torchrec-proactive: %d of %d table(s) are proactive (planned %s: a host tier, and a device "
