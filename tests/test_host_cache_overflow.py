@@ -91,3 +91,18 @@ def test_a_plan_that_may_not_overflow_is_refused_by_a_small_host_cache(tmp_path)
     finally:
         table.close()
 
+
+
+def test_the_advice_is_per_table_the_setting_s_unit():
+    """The store sizes one host cache per TorchRec group; the sharder's host_cache_bytes is
+    per table, summed per group: the advice divides (a user trial set the group's figure on
+    every table, three times what was needed)."""
+    from torchrec_proactive.integration.disk_tier import host_cache_advice
+
+    refusal = "table 'a+b+c': a batch needs 166 more rows in the host cache of 42 rows ...; give the host cache " \
+              "at least 166 rows (11952 bytes)"
+    assert host_cache_advice(refusal, ["a", "b", "c"]).endswith(
+        "to at least 3984 bytes for each of its 3 tables (a group's host cache is its tables' shares summed; "
+        "leave headroom: batches vary)")
+    assert host_cache_advice(refusal, ["a"]).endswith("to at least 11952 bytes (leave headroom: batches vary)")
+    assert host_cache_advice("no size here", ["a"]) == "raise host_cache_bytes (or KeyValueParams.l2_cache_size)"

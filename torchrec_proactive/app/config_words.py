@@ -39,7 +39,8 @@ def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
         need = _per_shard_need(text) if key == "tier.host_cache_mb" else ""
         raise_it += f" to {need}" if need else ""
         text = re.sub(r"raise host_cache_bytes \(or KeyValueParams\.l2_cache_size\)"
-                      r"( to at least \d+ bytes for each of its \d+ tables \([^)]*\))?", lambda m: raise_it, text)
+                      r"( to at least \d+ bytes( for each of its \d+ tables)? \([^)]*\))?",
+                      lambda m: raise_it + (" (leave headroom: batches vary)" if m.group(1) else ""), text)
         # (the store's refusal, quoted by the deferral warning: the same advice)
         text = re.sub(r"(give the host cache at least \d+ rows \(\d+ bytes\))\. Nothing changed",
                       lambda m: f"{m.group(1)}: {raise_it}", text)

@@ -426,8 +426,8 @@ class Trainer:
             if host_deferred < deferred:
                 fix += f", and {'cache.budget_bytes' if cfg.cache.budget_bytes else 'cache.load_factor'}"
             if host_overflow:  # one batch alone outgrew a host cache: no lower depth helps it
-                fix = (f"raise {key} (now {value:g}) to at least the size the host cache warning above gives: "
-                       f"{host_overflow} batch(es) alone outgrew a host cache")
+                fix = (f"raise {key} (now {value:g}): {host_overflow} batch(es) alone outgrew a host cache (the "
+                       f"warnings above give the size one batch needs, and the size the batches in flight need)")
                 lower = ""
         self.log.warning(
             "warning: prefetching fell back to fetching at lookup: %.0f%% of the rows fetched per step (%.1f of %.1f per rank, "

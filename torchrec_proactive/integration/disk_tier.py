@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
@@ -78,6 +79,21 @@ def spec_from_plan(table: str, key_value_params: Any, host_cache_bytes: Optional
 def resolve_directory(directory: str, local_rank: int) -> Path:
     """TorchRec's ``@local_rank`` placeholder, filled in."""
     return Path(directory.replace("@local_rank", str(local_rank)))
+
+
+def host_cache_advice(refusal: str, tables: Sequence[str]) -> str:
+    """What to set when a group's host cache was too small, from the store's refusal (which
+    sizes the group's one host cache: "... at least R rows (B bytes)"): the sharder's
+    ``host_cache_bytes`` is per table, and a group's host cache is its tables' shares summed."""
+    need = re.search(r"at least \d+ rows \((\d+) bytes\)", refusal)
+    advice = "raise host_cache_bytes (or KeyValueParams.l2_cache_size)"
+    if need is None:
+        return advice
+    total, n = int(need.group(1)), max(1, len(tables))
+    if n == 1:
+        return f"{advice} to at least {total} bytes (leave headroom: batches vary)"
+    return (f"{advice} to at least {-(-total // n)} bytes for each of its {n} tables (a group's host cache is "
+            f"its tables' shares summed; leave headroom: batches vary)")
 
 
 def group_host_cache_bytes(specs: Mapping[str, DiskTierSpec]) -> int:

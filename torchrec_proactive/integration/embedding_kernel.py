@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -65,7 +64,7 @@ from ..store import (
 from ..store import host_memory
 from ..store.row_moves import device_alias
 from ..store.row_space import device_store_rows  # noqa: F401 - (re-exported: tests import it here)
-from .disk_tier import ScratchDirectory, group_host_cache_bytes, resolve_directory
+from .disk_tier import ScratchDirectory, group_host_cache_bytes, host_cache_advice, resolve_directory
 from .host_views import LiveTableSlice, can_be_live, live_view, register_host_storage
 from .options import ProactiveOptions
 
@@ -804,13 +803,10 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         if self.store.stats.host_overflow_plans and not self._warned_host_overflow:
             self._warned_host_overflow = True
             reason, names = self.store.host_overflow_reason, self.table_names()
-            need = re.search(r"\((\d+) bytes\)", reason)
-            each = (f" to at least {-(-int(need.group(1)) // len(names))} bytes for each of its {len(names)} tables "
-                    f"(a group's host cache is its tables' shares summed)" if need and len(names) > 1 else "")
             warnings.warn(
                 f"tables {names}: {reason}; this batch's rows were moved through the host cache a chunk at a time "
-                f"instead (exact, but its disk reads on the critical path; said once per table group): raise "
-                f"host_cache_bytes (or KeyValueParams.l2_cache_size){each}",
+                f"instead (exact, but its disk reads on the critical path; said once per table group): "
+                f"{host_cache_advice(reason, names)}",
                 stacklevel=2,
             )
         if batch.plan.num_overflow and not self._warned_overflow:

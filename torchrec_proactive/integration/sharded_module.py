@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import time
 import warnings
 from collections import deque
@@ -41,7 +42,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..fetch import FetchEngine, FetchFailedError, Ticket, make_transport
 from ..store import CacheCapacityError, NotPrefetchedError, StoreStateError
 from ..store.disk_host_tier import HostCacheCapacityError
-from .disk_tier import GROUP_KEY
+from .disk_tier import GROUP_KEY, host_cache_advice
 from .embedding_kernel import PlannedGroup, PreparedBatch, ProactiveEmbeddingBag
 from .validation import InputValidator
 from .options import ProactiveOptions
@@ -615,10 +616,18 @@ class ProactiveShardedModule:
         if self._warned_deferral:
             return
         self._warned_deferral = True
+        text = str(why)
+        if isinstance(why, HostCacheCapacityError):  # a group on disk: its host cache had no room
+            tables = re.search(r"table '([^']+)'", text)
+            text = (text.removesuffix(". Nothing changed") + "; "
+                    + host_cache_advice(text, tables.group(1).split("+") if tables else []))
+            served = ("rows that still do not fit move through the host cache a chunk at a time; exact; counted in "
+                      "deferred_batches and host_deferred_batches")
+        else:
+            served = "rows that still do not fit are served from the host tier; exact; counted in deferred_batches"
         warnings.warn(
             f"{self._module_fqn or 'embedding module'}: batch {index}'s fetch waits for cache room (earlier batches "
-            f"release rows; at its lookup, rows that still do not fit are served from the host tier; exact; counted "
-            f"in deferred_batches; said once). {why}",
+            f"release rows; at its lookup, {served}; said once). {text}",
             stacklevel=3,
         )
 
