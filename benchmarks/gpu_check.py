@@ -629,12 +629,7 @@ def disk_tier(device: torch.device, quick: bool) -> Dict[str, Any]:
         engine.close()
         # (the training's own disk traffic; the initial writes included, the read below not)
         disk = None if table.disk is None else {k: table.disk.stats()[k] for k in ("row_misses", "rows_written")}
-        if table.disk is None:
-            values = [table.host_weight.clone(), *[v.clone() for v in table.host_state.values()]]
-        else:
-            table.flush_to_disk()
-            values = table.disk.read_rows(torch.arange(rows))
-        flat = [v.reshape(rows, -1) for v in values]
+        flat = [v.reshape(rows, -1) for v in table.read_host_rows(0, rows)]
         return {"values": flat, "ms_per_step": 1e3 * elapsed / steps, "stall_ms_per_step": 1e3 * stall / steps,
                 "overflow_rows": table.stats.overflow_rows,
                 "disk": disk}

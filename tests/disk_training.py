@@ -39,10 +39,16 @@ def train(table: TieredTable, batches: List[Any], depth: int, disk_depth: Option
 def every_row(table: TieredTable) -> List[torch.Tensor]:
     """Every row's weight and optimizer state, read through the host tier (on disk: through
     its host cache, a chunk at a time)."""
-    if table.disk is None:
-        return [table.host_weight.clone(), *[v.clone() for v in table.host_state.values()]]
-    table.flush_to_disk()
+    table.flush_to_disk()  # (on disk: the file holds every row from here; off disk nothing)
     return table.read_host_rows(0, table.num_rows)
+
+
+def trained_in_dram(init: torch.Tensor, optimizer: Any, slots: int, batches: List[Any],
+                    depth: int) -> TieredTable:
+    """The reference: the same table with every row in DRAM, trained on the CPU transport."""
+    table = TieredTable("t", init.clone(), optimizer, num_slots=slots)
+    train(table, batches, depth)
+    return table
 
 
 def same_rows(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:

@@ -16,7 +16,7 @@ from torchrec_proactive.fetch import FetchEngine
 from torchrec_proactive.store import OptimizerConfig, OptimType, TieredTable, disk_record_bytes
 
 from .cuda_stream_standin import cpu_streams
-from .disk_training import every_row, same_rows, skewed_batches, train
+from .disk_training import every_row, same_rows, skewed_batches, train, trained_in_dram
 
 ROWS, DIM = 4000, 16
 
@@ -43,8 +43,7 @@ def test_a_table_on_disk_trains_through_the_cuda_transport_as_in_dram(tmp_path, 
     init = torch.randn(ROWS, DIM)
     config = OptimizerConfig(optim, learning_rate=0.05)
     # The same table in DRAM, on the CPU transport, at the same depth: the same plans.
-    want_table = TieredTable("t", init.clone(), config, num_slots=slots)
-    train(want_table, _batches(), depth)
+    want_table = trained_in_dram(init, config, slots, _batches(), depth)
     want = every_row(want_table)
     with cpu_streams(monkeypatch):
         engine, transport = _cuda_engine()

@@ -16,7 +16,7 @@ from torchrec_proactive.fetch import FetchEngine
 from torchrec_proactive.store import CacheCapacityError, OptimizerConfig, OptimType, TieredTable, disk_record_bytes
 
 from .cuda_stream_standin import cpu_streams
-from .disk_training import every_row, same_rows, skewed_batches, train
+from .disk_training import every_row, same_rows, skewed_batches, train, trained_in_dram
 
 ROWS, DIM = 4000, 16
 BATCH_IDS = 72
@@ -36,9 +36,7 @@ def test_a_host_cache_below_a_batch_trains_as_in_dram(tmp_path, monkeypatch, opt
     torch.manual_seed(0)
     init = torch.randn(ROWS, DIM)
     config = OptimizerConfig(optim, learning_rate=0.05)
-    want_table = TieredTable("t", init.clone(), config, num_slots=slots)
-    train(want_table, _batches(), depth)
-    want = every_row(want_table)
+    want = every_row(trained_in_dram(init, config, slots, _batches(), depth))
     with cpu_streams(monkeypatch) if cuda else contextlib.nullcontext():
         if cuda:
             from torchrec_proactive.fetch.cuda import CudaStreamTransport
@@ -101,8 +99,9 @@ def test_the_advice_is_per_table_the_setting_s_unit():
 
     refusal = "table 'a+b+c': a batch needs 166 more rows in the host cache of 42 rows ...; give the host cache " \
               "at least 166 rows (11952 bytes)"
-    assert host_cache_advice(refusal, ["a", "b", "c"]).endswith(
+    assert host_cache_advice(refusal).endswith(
         "to at least 3984 bytes for each of its 3 tables (a group's host cache is its tables' shares summed; "
         "leave headroom: batches vary)")
-    assert host_cache_advice(refusal, ["a"]).endswith("to at least 11952 bytes (leave headroom: batches vary)")
-    assert host_cache_advice("no size here", ["a"]) == "raise host_cache_bytes (or KeyValueParams.l2_cache_size)"
+    alone = refusal.replace("'a+b+c'", "'a'")
+    assert host_cache_advice(alone).endswith("to at least 11952 bytes (leave headroom: batches vary)")
+    assert host_cache_advice("no size here") == "raise host_cache_bytes (or KeyValueParams.l2_cache_size)"

@@ -9,7 +9,7 @@ translation lives here, below both of them.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Tuple
 
 from .errors import ConfigError
 
@@ -33,8 +33,7 @@ def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
     # tier.host_cache_mb per table)
     tier = getattr(cfg, "tier", None)
     if tier is not None and getattr(tier, "kind", None) == "ssd":
-        key, value = (("tier.host_budget_mb", tier.host_budget_mb) if tier.host_budget_mb
-                      else ("tier.host_cache_mb", tier.host_cache_mb))
+        key, value = host_cache_key(cfg)
         raise_it = f"raise {key} (now {value:g})" if with_values else f"raise {key}"
         need = _per_shard_need(text) if key == "tier.host_cache_mb" else ""
         raise_it += f" to {need}" if need else ""
@@ -47,16 +46,27 @@ def in_config_words(text: str, cfg: Any, with_values: bool = True) -> str:
     return text
 
 
+def host_cache_key(cfg: Any) -> Tuple[str, float]:
+    """The config key (and its value) that sizes the host caches of tables on disk:
+    ``tier.host_budget_mb`` where the caches are planned from it, else ``tier.host_cache_mb``."""
+    tier = cfg.tier
+    return ("tier.host_budget_mb", tier.host_budget_mb) if tier.host_budget_mb else ("tier.host_cache_mb",
+                                                                                       tier.host_cache_mb)
+
+
 def _per_shard_need(text: str) -> str:
     """What each table's ``tier.host_cache_mb`` must be for the host cache a store message
     asks for: the store sizes one host cache per group of tables ('t_a+t_b'), the config
     each table shard's share of it (empty when the message gives no size)."""
-    need = re.search(r"at least \d+ rows \((\d+) bytes\)", text) or re.search(r"\((\d+) bytes\)", text)
-    table = re.search(r"table '([^']+)'", text)
-    if not (need and table):
+    # (imported here: the launching process imports this module, and the library's imports
+    # TorchRec, which only the ranks need)
+    from ..integration.disk_tier import host_cache_need
+
+    need = host_cache_need(text)
+    if need is None:
         return ""
-    tables = len(table.group(1).split("+"))
-    mib = int(need.group(1)) / tables / 2**20
+    total, tables = need
+    mib = total / tables / 2**20
     return f"at least {mib:.3g} per table shard" + (f", {tables} tables in this group" if tables > 1 else "")
 
 

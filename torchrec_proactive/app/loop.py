@@ -30,6 +30,7 @@ from ..config.schema import Config
 from .autodepth import agree, cache_depth_limit, choose_depth
 from .checkpoint import Checkpointer, fused_optimizer_step, restore_param_groups, rng_state, set_rng_state
 from .compose import config_hash, flatten
+from .config_words import host_cache_key
 from .resume import describe_changes, describe_progress, refuse_changes
 from .errors import CheckpointError
 from .rundir import MANIFEST
@@ -420,8 +421,7 @@ class Trainer:
         host_deferred, host_overflow = steady.get("host_deferred_batches", 0), steady.get("host_overflow_batches", 0)
         if (host_deferred or host_overflow) and cfg.tier.kind == "ssd":
             # (the host caches of the tables on disk were what had no room)
-            key, value = (("tier.host_budget_mb", cfg.tier.host_budget_mb) if cfg.tier.host_budget_mb
-                          else ("tier.host_cache_mb", cfg.tier.host_cache_mb))
+            key, value = host_cache_key(cfg)
             fix = f"raise {key} (now {value:g}: {host_deferred} waited for a host cache)"
             if host_deferred < deferred:
                 fix += f", and {'cache.budget_bytes' if cfg.cache.budget_bytes else 'cache.load_factor'}"

@@ -318,9 +318,10 @@ class CudaStreamTransport(Transport):
         n = plan.num_writebacks
         if n == 0:
             return
+        caches = self._caches(plan)
         for chunk_slots, chunk_rows in self._chunks(plan, plan.writeback_slots, plan.writeback_rows, n):
             staged = []
-            for cache in self._caches(plan):
+            for cache in caches:
                 part = self.staging.get(chunk_rows.shape[0], cache.shape[1], cache.dtype)
                 part.copy_(cache.index_select(0, chunk_slots), non_blocking=True)
                 staged.append(part)
@@ -339,8 +340,8 @@ class CudaStreamTransport(Transport):
         if n == first:
             return
         slots, rows = plan.fill_slots.narrow(0, first, n - first), plan.fill_rows.narrow(0, first, n - first)
+        caches = self._caches(plan)
         for chunk_slots, chunk_rows in self._chunks(plan, slots, rows, n - first):
-            caches = self._caches(plan)
             staged = [self.staging.get(chunk_rows.shape[0], c.shape[1], c.dtype) for c in caches]
             plan.table.gather_host(chunk_rows, out=staged)
             for cache, part in zip(caches, staged):

@@ -25,7 +25,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Tuple
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
@@ -81,15 +81,27 @@ def resolve_directory(directory: str, local_rank: int) -> Path:
     return Path(directory.replace("@local_rank", str(local_rank)))
 
 
-def host_cache_advice(refusal: str, tables: Sequence[str]) -> str:
-    """What to set when a group's host cache was too small, from the store's refusal (which
-    sizes the group's one host cache: "... at least R rows (B bytes)"): the sharder's
-    ``host_cache_bytes`` is per table, and a group's host cache is its tables' shares summed."""
+def host_cache_need(refusal: str) -> Optional[Tuple[int, int]]:
+    """``(bytes, tables)`` from the store's refusal of a group's host cache (``"table 'a+b':
+    ... give the host cache at least R rows (B bytes)"``): the bytes the group's one host
+    cache needs, and how many tables share it (the store is named after them, joined by
+    '+'); None where the message gives no size."""
     need = re.search(r"at least \d+ rows \((\d+) bytes\)", refusal)
+    if need is None:
+        return None
+    store = re.search(r"table '([^']+)'", refusal)
+    return int(need.group(1)), len(store.group(1).split("+")) if store else 1
+
+
+def host_cache_advice(refusal: str) -> str:
+    """What to set when a group's host cache was too small, from the store's refusal: the
+    sharder's ``host_cache_bytes`` is per table, and a group's host cache is its tables'
+    shares summed."""
     advice = "raise host_cache_bytes (or KeyValueParams.l2_cache_size)"
+    need = host_cache_need(refusal)
     if need is None:
         return advice
-    total, n = int(need.group(1)), max(1, len(tables))
+    total, n = need
     if n == 1:
         return f"{advice} to at least {total} bytes (leave headroom: batches vary)"
     return (f"{advice} to at least {-(-total // n)} bytes for each of its {n} tables (a group's host cache is "

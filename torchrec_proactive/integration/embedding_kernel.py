@@ -800,13 +800,13 @@ class ProactiveEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
         else:
             batch = plan_unique_rows(self.store, p.rows, p.inverse, p.offsets, self._mode, self.prefetch_depth or None,
                                      overflow=overflow, one_per_bag=p.one_per_bag)
-        if self.store.stats.host_overflow_plans and not self._warned_host_overflow:
+        if batch.plan.through_host_cache and not self._warned_host_overflow:
             self._warned_host_overflow = True
-            reason, names = self.store.host_overflow_reason, self.table_names()
+            reason = self.store.host_overflow_reason
             warnings.warn(
-                f"tables {names}: {reason}; this batch's rows were moved through the host cache a chunk at a time "
-                f"instead (exact, but its disk reads on the critical path; said once per table group): "
-                f"{host_cache_advice(reason, names)}",
+                f"tables {self.table_names()}: {reason}; this batch's rows were moved through the host cache a chunk "
+                f"at a time instead (exact, but its disk reads on the critical path; said once per table group): "
+                f"{host_cache_advice(reason)}",
                 stacklevel=2,
             )
         if batch.plan.num_overflow and not self._warned_overflow:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import time
 import warnings
 from collections import deque
@@ -618,9 +617,7 @@ class ProactiveShardedModule:
         self._warned_deferral = True
         text = str(why)
         if isinstance(why, HostCacheCapacityError):  # a group on disk: its host cache had no room
-            tables = re.search(r"table '([^']+)'", text)
-            text = (text.removesuffix(". Nothing changed") + "; "
-                    + host_cache_advice(text, tables.group(1).split("+") if tables else []))
+            text = text.removesuffix(". Nothing changed") + "; " + host_cache_advice(text)
             served = ("rows that still do not fit move through the host cache a chunk at a time; exact; counted in "
                       "deferred_batches and host_deferred_batches")
         else:
