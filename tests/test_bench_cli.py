@@ -281,6 +281,25 @@ def test_projection_json_names_held_out_runs_stragglers_and_banded_projections(t
             assert {"value", "low", "high"} <= set(q["speedup_vs_reactive"]) and q["speedup_vs_depth1"]
 
 
+def test_validation_runs_measure_many_rounds_of_whole_burst_periods():
+    """A validation run's noise is its rounds': each round builds its model afresh, and a build
+    runs fast or slow for all its steps (measured: a round's mean over 72 steps spread as much
+    as over its first 24). So the held-out and straggler runs take many rounds (5 before: the
+    second complete run's held-out entries moved by up to 22%), the held-out runs' each a whole
+    number of burst periods long (a round's mean step is then a period's mean)."""
+    from torchrec_proactive.bench.runner import (HELD_OUT_RUNS, VALIDATION_ROUNDS, _held_out_runs, _settings,
+                                                 _straggler_settings, build_parser)
+
+    args = build_parser().parse_args(["--scaling", "x"])
+    runs = _held_out_runs(_settings(args), args)
+    assert len(runs) == len(HELD_OUT_RUNS) and VALIDATION_ROUNDS >= 8
+    for label, s, _ in runs:
+        assert s.rounds == VALIDATION_ROUNDS, label
+        period = s.workload.burst_every or 1
+        assert s.measure_steps % period == 0 and s.measure_steps >= 2 * period, (label, s.measure_steps)
+    assert _straggler_settings(_settings(args), args).rounds == VALIDATION_ROUNDS
+
+
 def test_scaling_inputs_reach_the_study():
     from torchrec_proactive.bench.runner import _study_settings, build_parser
     from torchrec_proactive.model.step_model import gpu_rates

@@ -445,19 +445,29 @@ HELD_OUT_RUNS = ("slow_link", "bursts", "bursts_2_ranks", "multi_hot", "long_bur
                  "rare_bursts", "rare_bursts_2_ranks")
 
 
+#: Rounds of each run the validation reads beside the main bench (the 1-rank run, the straggler
+#: runs, the held-out runs). Each round builds its model afresh, and a build runs fast or slow
+#: for all its steps: a round's mean step spread as much over 72 steps as over its first 24
+#: (measured on two held-out runs, 6 rounds), and taking the rounds' common drift out left the
+#: split-half spread of a configuration's median round at 8-9%. So the number of rounds, not
+#: their length, sets how well an entry is measured: 8 rounds, where 5 of 24 steps were.
+VALIDATION_ROUNDS = 8
+
+
 def _small_settings(settings: Any, args: argparse.Namespace, **workload: Any) -> Any:
     """The straggler runs' small model (4 tables x 20k rows, batch 256, table-wise, a 20% cache
     that pins k + 1 batches, a 100%-cache run for the store's own overhead) at reactive and
-    depths 1 and 2 (where the null model and the step model part), 5 rounds of 6 + 24 steps
-    (24: whole periods of a burst every 4th batch; the validation takes the median of the
-    rounds' mean steps, it needs no interval)."""
+    depths 1 and 2 (where the null model and the step model part), :data:`VALIDATION_ROUNDS`
+    rounds of 6 + 16 steps (16: whole periods of a burst every 4th or 8th batch; the validation
+    takes each configuration's mean step per round, levelled across the run's rounds, and needs
+    no interval)."""
     w = settings.workload
     small = replace(w, num_tables=4, rows_per_table=min(w.rows_per_table, 20_000), batch_size=min(w.batch_size, 256),
                     skew=0.0, **workload)
     return replace(settings, workload=small, sharding="table_wise", depths=(1, 2), include_auto=False,
                    cache_load_factor=0.2, include_cache100=True, include_cache1=False, trace=False,
                    link_bandwidth_gbps=None, warmup_steps=4 if args.quick else 6,
-                   measure_steps=8 if args.quick else 24, rounds=1 if args.quick else 5)
+                   measure_steps=8 if args.quick else 16, rounds=1 if args.quick else VALIDATION_ROUNDS)
 
 
 def _held_out_runs(settings: Any, args: argparse.Namespace) -> List[Tuple[str, Any, int]]:
@@ -522,13 +532,12 @@ def _straggler_settings(settings: Any, args: argparse.Namespace) -> Any:
     # A 20% cache: at 4 ranks one rank's table sees 4 x 256 ids a step, and the cache must
     # hold k + 1 = 5 batches' rows, or prefetches wait for pins and no depth is what it says.
     # The 100% cache is measured too: it is the store's own overhead at this rank count,
-    # an input of the model (without it the 1-rank runs were modelled 50% fast). Six rounds:
-    # the fewest that give per-round ratios (noise.py).
+    # an input of the model (without it the 1-rank runs were modelled 50% fast).
     return replace(settings, workload=small, sharding="table_wise", depths=(1, 2, 4), include_auto=False,
                    cache_load_factor=0.2,
                    include_cache100=True, include_cache1=False, trace=False, target_fetch_fraction=1.0,
                    link_bandwidth_gbps=None, warmup_steps=4 if args.quick else 6,
-                   measure_steps=8 if args.quick else 32, rounds=1 if args.quick else 6)
+                   measure_steps=8 if args.quick else 24, rounds=1 if args.quick else VALIDATION_ROUNDS)
 
 
 def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace, study: Any) -> Dict[str, Any]:
@@ -543,8 +552,8 @@ def _scaling(settings: Any, report: Dict[str, Any], args: argparse.Namespace, st
         # Its link calibrated as this run's was (a cold fetch costs the same share of a
         # resident step), unless a bandwidth was given: the same regime, not the same link
         # (the same link would put one rank's copy right at the length of its step, where a
-        # run's jitter, not the model, decides). Six rounds: the calibration set's run.
-        one = replace(settings, trace=False, include_auto=False, rounds=min(settings.rounds, 6))
+        # run's jitter, not the model, decides). The calibration set's run: VALIDATION_ROUNDS.
+        one = replace(settings, trace=False, include_auto=False, rounds=min(settings.rounds, VALIDATION_ROUNDS))
         runs.insert(0, run_bench(one, world_size=1, label="scaling: 1-rank run")["report"])
     straggle = _straggler_settings(settings, args)
     stragglers = []
