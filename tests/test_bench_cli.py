@@ -243,9 +243,11 @@ def test_scaling_summary_says_how_well_the_model_fits_these_runs(tiny_run):
     beyond = (scaling["calibration_max_abs_error"] > 0.10) or (scaling["held_out_max_abs_error"] > 0.15)
     assert ("beyond its targets" in line) == beyond and ("rerun without --quick" in line) == beyond
     assert len(scaling["misses"]) >= (1 if beyond else 0)
-    # the straggler runs, in the paper's terms and TorchRec's
+    # the straggler runs, in the paper's terms; their depth 1 is this product's (the CPU bench runs
+    # no TorchRec prefetch pipeline: a user trial found it labelled as TorchRec's)
     (strag,) = [line for line in proc.stdout.splitlines() if line.startswith("stragglers, ")]
-    assert "2 rank(s)" in strag and "depth 1 (TorchRec's prefetch pipeline)" in strag and "x reactive" in strag
+    assert "2 rank(s)" in strag and "depth 1 (this product one batch ahead)" in strag and "x reactive" in strag
+    assert "TorchRec" not in strag
     # either way round, from the same report
     for cal, held, warned in ((0.05, 0.14, False), (0.12, 0.05, True), (0.05, 0.2, True)):
         fake = {**report, "scaling": {**scaling, "calibration_max_abs_error": cal, "held_out_max_abs_error": held}}

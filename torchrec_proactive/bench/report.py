@@ -192,7 +192,7 @@ def format_table(report: Dict[str, Any]) -> str:
                          f"than 15%; {disc.get('needed', 6)} needed)")
         for row in scaling.get("stragglers") or []:
             lines.append(f"stragglers, {row['ranks']} rank(s), skew {row['skew']:g}: reactive {row['reactive_ms']:.1f} ms, "
-                         f"depth 1 (TorchRec's prefetch pipeline) {row['depth1_ms']:.1f} ms, best depth "
+                         f"depth 1 (this product one batch ahead) {row['depth1_ms']:.1f} ms, best depth "
                          f"{row['best_depth']} {row['best_depth_ms']:.1f} ms "
                          f"({row['reactive_ms'] / row['best_depth_ms']:.2f}x reactive, "
                          f"{row['depth1_ms'] / row['best_depth_ms']:.2f}x depth 1)")

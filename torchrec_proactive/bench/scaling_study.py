@@ -11,8 +11,9 @@
    (:func:`~torchrec_proactive.model.step_model.null_step_s`: no parameters, no schedule) and
    the validation counts the held-out entries that the null model misses by more than the
    target (``discriminating``): only there does the validation test the model rather than
-   identities of its inputs. :data:`VARIANTS` are deliberately wrong models the validation
-   must reject (tested).
+   identities of its inputs. :data:`VARIANTS` are deliberately wrong models: a test builds a
+   set on which the validation rejects each; the recorded runs reject the null and mean-copy
+   models, and the one without depth 1's issue delay only in some runs (``wrong_models``).
 2. **Stragglers** (:func:`straggler_rows`): the skewed 1/2/4-rank runs, reactive, depth 1
    and deeper.
 3. **Counted checks, no timing** (:func:`counter_checks`, :func:`locality_checks`): the
@@ -60,8 +61,6 @@ __all__ = ["StudySettings", "validate", "fit", "project", "verdicts", "write_stu
 
 PAPER_CLAIM = ("Cho et al., IEEE CAL 2024: proactive fetching of cold rows speeds DLRM training up by 46% on "
                "average over reactive fetching, and scales better with more GPUs")
-#: A speed-up below this is "does not pay" (within what a step's noise hides).
-PAYS_ABOVE = 1.05
 #: Bench configurations the validation models (depth from the name; cache1*: the 1% cache).
 _VALIDATED = ("reactive", "cache1_reactive", "cache1")
 
@@ -121,6 +120,9 @@ CALIBRATION_TARGET, HELD_OUT_TARGET = 0.10, 0.15
 #: The issue 43 bar: at least this many held-out entries that the null model misses by more
 #: than :data:`HELD_OUT_TARGET`, the model within it on every one of them.
 MIN_DISCRIMINATING = 6
+#: A projected speed-up counts as paying (``pays_at``) only above what the validation resolves
+#: (its held-out target); a smaller one is a sketch, not a finding.
+PAYS_ABOVE = 1.0 + HELD_OUT_TARGET
 #: The model and the deliberately wrong ones the validation must tell from it:
 #: ``null`` (no parameters, no schedule), ``no_issue_delay`` (a copy issued at the lookup and
 #: due at the next: depth 1 gets a whole step), ``mean_load`` (every batch the mean copy:
@@ -372,6 +374,8 @@ def validation_summary(checks: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
                "why": miss_reason(c)}
               for c in checks if abs(c["error"]) > (HELD_OUT_TARGET if c["held_out"] else CALIBRATION_TARGET)]
     model_ok = all(abs(c["error"]) <= HELD_OUT_TARGET for c in disc)
+    part = [c for c in held
+            if abs(c["modelled_step_ms"] - c["null_model_step_ms"]) > HELD_OUT_TARGET * c["measured_step_ms"]]
     runs = sorted({(c.get("run") or "bench", c["ranks"]) for c in held})
     distinct = len({round(c["modelled_step_ms"], 3) for c in held})
     if len(disc) < MIN_DISCRIMINATING:
@@ -392,6 +396,11 @@ def validation_summary(checks: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
                                "null_min_abs_error": min((abs(c["null_error"]) for c in disc), default=None),
                                "entries": [{"run": c.get("run"), "ranks": c["ranks"], "config": c["config"],
                                             "error": c["error"], "null_error": c["null_error"]} for c in disc]},
+            # the stricter reading, beside the verdict: entries where the two predictions themselves
+            # part by more than the target (a null model's miss may be the measurement's)
+            "models_part": {"count": len(part),
+                            "model_max_abs_error": max((abs(c["error"]) for c in part), default=None),
+                            "within_target": sum(abs(c["error"]) <= HELD_OUT_TARGET for c in part)},
             "validation_verdict": verdict,
             "targets": {"calibration": CALIBRATION_TARGET, "held_out": HELD_OUT_TARGET,
                         "discriminating": MIN_DISCRIMINATING},
@@ -1059,6 +1068,10 @@ def write_study(out_dir: Path, runs: Sequence[Mapping[str, Any]], settings: Opti
     fitted = fit(all_runs)
     checks = validate(all_runs, fitted)
     summary = validation_summary(checks)
+    if settings.quick:
+        # one round of one held-out run: its figures are listed, not judged
+        summary["validation_verdict"] = ("not judged: --quick measures one round of one held-out run (a smoke test); "
+                                         "run without --quick on an idle machine to validate")
     counted = counter_checks(all_runs)
     locality = locality_checks(settings)
     plan_cost = _plan_cost(locality, settings)
@@ -1067,6 +1080,7 @@ def write_study(out_dir: Path, runs: Sequence[Mapping[str, Any]], settings: Opti
     ssd_checks = ssd_validation(ssd_reports)
     eff = [calibrate_efficiency(x) for x in MLPERF_STEP]
     doc: Dict[str, Any] = {
+        "quick": settings.quick,
         "validation": checks,
         "validation_runs": all_runs,
         "calibration_set": [{"ranks": r, "config": c} for r, c in CALIBRATION],
