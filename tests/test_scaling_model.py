@@ -457,7 +457,9 @@ def test_stragglers_measured_at_1_2_and_4_ranks():
     assert sorted(r["ranks"] for r in rows) == [1, 2, 4]
     for r in rows:
         assert r["skew"] > 0 and r["best_depth_ms"] <= r["depth1_ms"]
-        assert "prefetch pipeline" in r["depth1_is"]
+        # this product one batch ahead; TorchRec's own pipeline has no CPU run (a user trial
+        # found the field calling it TorchRec's)
+        assert r["depth1_is"].startswith("this product's pipeline one batch ahead") and "no CPU run" in r["depth1_is"]
         assert all(x >= 1.0 for x in r["straggler_factor"].values())
 
 

@@ -448,8 +448,9 @@ def straggler_rows(runs: Sequence[Mapping[str, Any]], fitted: Fitted) -> List[Di
                                      if len(per_rank(c)) > 1 else 1.0)
                                  for n, c in by.items() if n in model},
             "modelled_ms": model,
-            "depth1_is": ("TorchRec's prefetch pipeline schedule (next batch's misses fetched during this step), run by "
-                          "this product one batch ahead: its copy issued after the forward and planning"),
+            "depth1_is": ("this product's pipeline one batch ahead: the next batch's copy issued after this forward and "
+                          "its planning, due at the next lookup; TorchRec's own prefetch pipeline (due at the start of "
+                          "the next step) has no CPU run: the projection models it"),
         })
     return out
 
