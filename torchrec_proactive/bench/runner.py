@@ -459,8 +459,7 @@ def _small_settings(settings: Any, args: argparse.Namespace, **workload: Any) ->
     that pins k + 1 batches, a 100%-cache run for the store's own overhead) at reactive and
     depths 1 and 2 (where the null model and the step model part), :data:`VALIDATION_ROUNDS`
     rounds of 6 + 16 steps (16: whole periods of a burst every 4th or 8th batch; the validation
-    takes each configuration's mean step per round, levelled across the run's rounds, and needs
-    no interval)."""
+    takes the median of each configuration's round means, and needs no interval)."""
     w = settings.workload
     small = replace(w, num_tables=4, rows_per_table=min(w.rows_per_table, 20_000), batch_size=min(w.batch_size, 256),
                     skew=0.0, **workload)

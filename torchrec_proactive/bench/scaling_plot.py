@@ -78,7 +78,7 @@ def _validation_panel(ax: Any, doc: Mapping[str, Any]) -> None:
                dict(marker="o", color="tab:green", s=28)),
               ("telling, model misses", lambda c: c.get("discriminating") and abs(c["error"]) * 100 > target,
                dict(marker="X", color="tab:red", s=40)),
-              ("null model within 15%", lambda c: not c.get("discriminating"),
+              (f"null model within {target:.0f}%", lambda c: not c.get("discriminating"),
                dict(marker=".", color="tab:gray", s=18)))
     for label, keep, style in groups:
         pts = [c for c in checks if keep(c)]
